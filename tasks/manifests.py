@@ -1,0 +1,79 @@
+"""Typed manifests: the small JSON contracts passed between Prefect tasks.
+
+A manifest names a file on disk, its sha256 and counts, plus the config that made it. A task reads only the manifests
+it is given, so any stage can be rerun alone. `verify()` checks that the file is still there and unchanged before a
+consumer trusts a cached manifest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from sftflow.tasks.fingerprint import sha256_file
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    sha256: str
+
+    def is_valid(self) -> bool:
+        p = Path(self.path)
+        return p.is_file() and sha256_file(p) == self.sha256
+
+    def verify(self) -> None:
+        p = Path(self.path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{self.path}: file named by the {type(self).__name__} manifest is missing")
+        if sha256_file(p) != self.sha256:
+            raise ValueError(f"{self.path}: content changed since the {type(self).__name__} manifest was written")
+
+
+class RenderedShard(Manifest):
+    """JSONL of `{"text", "train_char_spans", "source"}` records, one per rendered conversation."""
+
+    source_path: str
+    source_sha256: str
+    template_sha256: str
+    num_records: int
+    num_rejected: int
+    rejects_path: str | None = None
+    config_sha256: str
+
+
+class TokenizedShard(Manifest):
+    """`.npz` of CSR arrays: `input_ids`, `doc_ptr`, `loss_spans` (int32 S×2), `span_ptr`, plus sources JSON."""
+
+    rendered_sha256: str
+    tokenizer_sha256: str
+    num_docs: int
+    num_tokens: int
+    num_loss_tokens: int
+    num_rejected: int
+    rejected_reasons: dict[str, int] = {}
+    config_sha256: str
+
+
+class PbinShard(Manifest):
+    """A `.pbin` file (see `sftflow.tasks.pbin`)."""
+
+    format_version: int
+    num_docs: int
+    num_tokens: int
+    num_loss_tokens: int
+    vocab_size: int
+    token_dtype: str
+
+
+class DatasetIndex(Manifest):
+    """`index.json` beside `.npy` arrays: shard, doc, length, loss-token count, content hash, split."""
+
+    shards: list[PbinShard]
+    num_train: int
+    num_eval: int
+    num_train_tokens: int
+    num_eval_tokens: int
+    dropped: dict[str, int]

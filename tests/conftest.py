@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny tokenizer trained here, a tiny Llama config, and the optional ../shared/data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+# A small corpus covering ASCII, digits, punctuation, JSON-ish tool calls and multi-byte Unicode, so the tiny BPE
+# produces multi-character tokens and multi-token characters alike.
+TINY_CORPUS = [
+    "What is 12 + 30? The answer is 42.",
+    "Reverse the string 'hello' -> 'olleh'.",
+    "You are a helpful assistant.",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "Ünïcödé: naïve café, 日本語のテキスト, emoji 🙂🚀, Ελληνικά, русский.",
+    "The quick brown fox jumps over the lazy dog.",
+    "system user assistant tool",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from sftflow.tasks.tiny import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    train_tokenizer(TINY_CORPUS * 20, out, vocab_size=400)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is absent")
+    return SHARED_DATA
