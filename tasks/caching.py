@@ -1,0 +1,151 @@
+"""Content-derived caching for stage tasks.
+
+A stage's cache key is a hash of
+  - the stage name and its format version,
+  - a fingerprint of the source code of the modules that implement it (TASK_SOURCE alone hashes only the thin task
+    body, so a change in the plain function underneath would go unnoticed),
+  - its inputs, where manifests contribute their content hashes (never bare paths).
+
+Plain `INPUTS` is not enough: two different tasks with equal arguments would share a key.
+
+The stage writes into `work_dir/<stage>/<key>/`, so a key names an output folder, and every file there is listed with
+its sha256 in `CHECKSUMS`. Before Prefect may reuse a cached result, `StageCache` checks that folder: if a file is gone
+or changed, the policy returns no key, the task runs again and rewrites the same folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from pydantic import BaseModel
+
+from sftflow.tasks.fingerprint import sha256_file, sha256_json, sha256_text
+
+CHECKSUMS = "CHECKSUMS"
+MANIFEST = "manifest.json"
+
+
+@cache
+def code_fingerprint(*module_names: str) -> str:
+    sources = [inspect.getsource(importlib.import_module(name)) for name in sorted(module_names)]
+    return sha256_text("\n".join(sources))
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    return value
+
+
+def stage_key(stage: str, version: str, modules: tuple[str, ...], inputs: dict[str, Any]) -> str:
+    payload = {
+        "stage": stage,
+        "version": version,
+        "code": code_fingerprint(*modules),
+        "inputs": {k: _normalise(v) for k, v in sorted(inputs.items()) if k not in _NOT_KEYED},
+    }
+    return sha256_json(payload)[:24]
+
+
+# Parameters that change how a task runs but not what it produces.
+_NOT_KEYED = {"fault", "timeout_s"}
+
+
+def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:
+    return Path(work_dir) / stage / key
+
+
+def write_checksums(out_dir: Path) -> None:
+    """List every file under `out_dir` with its sha256; written last, so it also marks a complete output."""
+    lines = []
+    for file in sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        lines.append(f"{sha256_file(file)}  {file.relative_to(out_dir)}")
+    tmp = out_dir / (CHECKSUMS + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out_dir / CHECKSUMS)
+
+
+def outputs_valid(out_dir: Path) -> bool:
+    listing = out_dir / CHECKSUMS
+    if not listing.is_file():
+        return False
+    for line in listing.read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, name = line.split("  ", 1)
+        file = out_dir / name
+        if not file.is_file() or sha256_file(file) != digest:
+            return False
+    return True
+
+
+def write_manifest(out_dir: Path, manifest: BaseModel) -> None:
+    tmp = out_dir / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2))
+    os.replace(tmp, out_dir / MANIFEST)
+
+
+def read_manifest(out_dir: Path, model: type[BaseModel]) -> BaseModel:
+    return model.model_validate(json.loads((out_dir / MANIFEST).read_text()))
+
+
+@dataclass
+class StageCache(CachePolicy):
+    """Cache policy for a stage task whose parameters include `work_dir`.
+
+    The task body calls `self.output_dir(work_dir, inputs)` (through `StageCache.output_dir`) to learn where to write.
+    """
+
+    stage: str = ""
+    version: str = "1"
+    modules: tuple[str, ...] = ()
+
+    def key_for(self, inputs: dict[str, Any]) -> str:
+        return stage_key(self.stage, self.version, self.modules, inputs)
+
+    def output_dir(self, inputs: dict[str, Any]) -> Path:
+        return stage_dir(inputs["work_dir"], self.stage, self.key_for(inputs))
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
+        key = f"{self.stage}-{self.key_for(inputs)}"
+        if not outputs_valid(self.output_dir(inputs)):
+            # Missing or changed output: forget the cached manifest so the task runs again and rewrites the folder.
+            _forget_record(task_ctx, key)
+        return key
+
+
+def _forget_record(task_ctx, key: str) -> None:
+    # ResultStore has no delete; with local storage (the default, and what sftflow configures) a record is one file.
+    store = getattr(task_ctx, "result_store", None)
+    storage = getattr(store, "result_storage", None)
+    resolve = getattr(storage, "_resolve_path", None)
+    if store is None or resolve is None or store.metadata_storage is not None:
+        return
+    Path(resolve(key)).unlink(missing_ok=True)
+
+
+def retry_on_io_error(task, task_run, state) -> bool:
+    """Retry transient I/O failures; bad input (ValueError, a missing file) is not retried."""
+    try:
+        state.result()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    except Exception:
+        return False
+    return False
