@@ -1,0 +1,228 @@
+"""Sandboxed chat-template rendering with exact character spans for `{% generation %}` blocks.
+
+Templates are untrusted code (they come from model repos), so they run in Jinja's `ImmutableSandboxedEnvironment`
+with the same globals and filters Hugging Face provides (`raise_exception`, `strftime_now`, `tojson`, `dict`,
+`namespace`, `loopcontrols`, `trim_blocks`, `lstrip_blocks`). A template rendered here gives the same text as
+`tokenizer.apply_chat_template`.
+
+How generation spans are found, and why this way: the `{% generation %}` tag wraps what it renders in a start and
+an end marker that carry a fresh 128-bit random nonce per render call. After rendering, one regex pass removes the
+markers and records where they were in the *final* string. Hugging Face instead measures the text streamed so far
+when the block closes; that is wrong whenever the block's output does not go straight to the output stream (inside a
+macro, a `{% set %}` block, or a filter). Markers travel with the text, so any such detour is either handled exactly
+or detected: if the number of markers found is not twice the number of generation blocks rendered, or they do not
+nest, rendering fails instead of producing a wrong mask. Message text cannot forge a marker because it cannot know
+the nonce.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+BUILTIN_TEMPLATES = ("chatml", "llama3")
+_GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+
+
+@dataclass
+class _Tracker:
+    nonce: str
+    blocks: int = 0
+
+
+_TRACKER: ContextVar[_Tracker | None] = ContextVar("sftflow_generation_tracker", default=None)
+
+
+class GenerationExtension(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks the rendered text inside as trained."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_generation", []), [], [], body).set_lineno(lineno)
+
+    def _generation(self, caller) -> str:
+        text = caller()
+        tracker = _TRACKER.get()
+        if tracker is None:  # rendered outside `ChatTemplate.render`: behave like a plain block
+            return text
+        tracker.blocks += 1
+        return f"\x00sftflow-gen-start-{tracker.nonce}\x00{text}\x00sftflow-gen-end-{tracker.nonce}\x00"
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the `dict` type itself (as Hugging Face does)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """A `namespace` that refuses underscore-prefixed attributes, so templates cannot plant dunders."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot set underscore-prefixed attribute {name!r} on a namespace")
+
+
+def _raise_exception(message):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationExtension, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+_ENV = make_environment()
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may refer to (`bos_token`, `eos_token`, ...)."""
+
+    def __init__(self, text: str, special_tokens: dict[str, str] | None = None, name: str = "<template>"):
+        self.text = text
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._compiled = _ENV.from_string(text)
+        except TemplateError as err:
+            raise ValueError(f"chat template {name}: does not compile: {err}") from err
+        self.has_generation_tag = bool(_GENERATION_TAG_RE.search(text))
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """Render `messages`; return the text and the half-open character spans of its generation blocks.
+
+        Raises `jinja2.TemplateError` (including `SecurityError`) from the template itself, and `ValueError` when
+        generation markers were altered by the template so that spans cannot be located.
+        """
+        tracker = _Tracker(nonce=secrets.token_hex(16))
+        token = _TRACKER.set(tracker)
+        try:
+            raw = self._compiled.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        finally:
+            _TRACKER.reset(token)
+        if tracker.blocks == 0:
+            return raw, []
+        return _strip_markers(raw, tracker, self.name)
+
+
+def _strip_markers(raw: str, tracker: _Tracker, name: str) -> tuple[str, list[tuple[int, int]]]:
+    marker_re = re.compile(f"\x00sftflow-gen-(start|end)-{tracker.nonce}\x00")
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    out_len = 0
+    pos = 0
+    depth = 0
+    start = 0
+    markers = 0
+    for match in marker_re.finditer(raw):
+        piece = raw[pos : match.start()]
+        pieces.append(piece)
+        out_len += len(piece)
+        pos = match.end()
+        markers += 1
+        if match.group(1) == "start":
+            if depth == 0:
+                start = out_len
+            depth += 1
+        else:
+            depth -= 1
+            if depth < 0:
+                break
+            if depth == 0:
+                spans.append((start, out_len))
+    if depth != 0 or markers != 2 * tracker.blocks:
+        raise ValueError(
+            f"chat template {name}: the output of a {{% generation %}} block was altered by the template "
+            "(a filter or string operation on it), so its character spans cannot be located; "
+            "put {% generation %} directly around the text that is written out"
+        )
+    pieces.append(raw[pos:])
+    return "".join(pieces), spans
+
+
+def builtin_template_text(name: str) -> str:
+    return resources.files("sftflow.tasks").joinpath(f"templates/{name}.jinja").read_text(encoding="utf-8")
+
+
+def load_template(spec: str | None, tokenizer=None) -> ChatTemplate:
+    """Resolve a template: `None`/"tokenizer" (the tokenizer's `chat_template`), a built-in name, or a `.jinja` path.
+
+    `tokenizer` (a Hugging Face tokenizer) supplies the special tokens the template may use, and the template itself
+    when `spec` is None.
+    """
+    special = dict(tokenizer.special_tokens_map) if tokenizer is not None else {}
+    special = {k: v for k, v in special.items() if isinstance(v, str)}
+    if spec is None or spec == "tokenizer":
+        text = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                "template: the tokenizer has no chat_template; pass a built-in name "
+                f"({'/'.join(BUILTIN_TEMPLATES)}) or a .jinja file"
+            )
+        return ChatTemplate(text, special, name="tokenizer.chat_template")
+    if spec in BUILTIN_TEMPLATES:
+        return ChatTemplate(builtin_template_text(spec), special, name=spec)
+    path = Path(spec)
+    if path.suffix == ".jinja" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"template: file {spec} does not exist")
+        return ChatTemplate(path.read_text(encoding="utf-8"), special, name=str(path))
+    raise ValueError(
+        f"template: {spec!r} is neither a built-in template ({'/'.join(BUILTIN_TEMPLATES)}) nor a .jinja file"
+    )
