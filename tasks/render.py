@@ -1,0 +1,333 @@
+"""render: source records → rendered text plus the character spans to train on (one JSONL shard per source).
+
+    {"messages": [...]}  ──normalise──▶  messages  ──chat template──▶  {"text": "...", "train_char_spans": [[s, e)],
+    {"conversations": ...}                                                  "source": "data.jsonl:7"}
+
+Sources are JSONL (`file:line`, 1-based), a `.json` array (`file:row`, 0-based), Parquet (`file:row`, 0-based) or a
+folder saved with `datasets.save_to_disk` (`folder:row`, or `folder[split]:row`).
+
+`mask_policy="generation"` trains what the template's `{% generation %}` blocks render. `mask_policy="roles"` works
+with any prefix-stable template: the span of message i is the text that rendering `messages[:i+1]` adds to rendering
+`messages[:i]`; for assistant turns it starts after the generation prompt (the role cue), when that is a prefix too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from jinja2.exceptions import SecurityError, TemplateError
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from sftflow.tasks.chat_template import ChatTemplate, load_template
+from sftflow.tasks.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
+from sftflow.tasks.records import RenderedDoc
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class RenderConfig(BaseModel):
+    """How records become text. `template` is None (the tokenizer's), a built-in name (chatml, llama3) or a .jinja."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text_spans"] = "auto"
+    template: str | None = None
+    mask_policy: Literal["generation", "roles"] = "generation"
+    train_roles: tuple[Literal["system", "user", "assistant", "tool"], ...] = ("assistant",)
+    on_bad_record: Literal["error", "reject"] = "error"
+    text_spans: Literal["train", "exclude"] = "train"
+    text_field: str = "text"
+    spans_field: str = "spans"
+
+    @field_validator("train_roles")
+    @classmethod
+    def _non_empty(cls, value):
+        if not value:
+            raise ValueError(f"train_roles must name at least one of {'/'.join(ROLES)}")
+        return value
+
+
+class TemplateProblem(ValueError):
+    """The template (not one record) is unusable: never counted as a reject, always raised."""
+
+
+class RenderStats(BaseModel):
+    source: str
+    format: str | None
+    records: int
+    rendered: int
+    rejected: int
+    rejects_by_field: dict[str, int]
+    out_path: str
+    rejects_path: str | None
+
+
+# ---------------------------------------------------------------------------------------------------------- records
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    # Same aliasing as Hugging Face's apply_chat_template, so templates that read `thinking` see the reasoning too.
+    out = []
+    for message in messages:
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _render(template: ChatTemplate, conv: Conversation, messages, source: str, add_generation_prompt=False):
+    try:
+        return template.render(_alias_reasoning(messages), conv.tools, add_generation_prompt=add_generation_prompt)
+    except SecurityError as err:
+        raise TemplateProblem(f"chat template {template.name}: refused an unsafe operation: {err}") from err
+    except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as err:
+        raise RecordError(source, "template", f"failed to render: {type(err).__name__}: {err}") from err
+
+
+def _generation_spans(template: ChatTemplate, conv: Conversation, source: str) -> RenderedDoc:
+    if not template.has_generation_tag:
+        raise TemplateProblem(
+            f"chat template {template.name} has no {{% generation %}} tag, so mask_policy='generation' cannot tell "
+            "which text to train. Wrap each assistant turn's content and its end-of-turn token, e.g. "
+            "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}, "
+            "or use mask_policy='roles' with a prefix-stable template."
+        )
+    text, spans = _render(template, conv, conv.messages, source)
+    for k, (start, end) in enumerate(spans):
+        if end == start:
+            raise RecordError(source, "messages", f"has an assistant turn (generation block {k}) empty after rendering")
+    if not spans and any(m["role"] == "assistant" for m in conv.messages):
+        raise RecordError(source, "messages", "has assistant turns but the template rendered no generation block")
+    return RenderedDoc(text=text, train_char_spans=tuple(spans), source=source)
+
+
+def _first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source: str) -> RenderedDoc:
+    messages = conv.messages
+    try:
+        previous = _render(template, conv, [], source)[0]
+    except RecordError:  # many templates cannot render an empty conversation; its text is then empty
+        previous = ""
+    spans = []
+    for i, message in enumerate(messages):
+        current = _render(template, conv, messages[: i + 1], source)[0]
+        if not current.startswith(previous):
+            at = _first_difference(previous, current)
+            raise RecordError(
+                source,
+                "template",
+                f"is not prefix-stable: rendering messages[:{i}] is not a prefix of rendering messages[:{i + 1}] "
+                f"(they differ at character {at}: {previous[at : at + 30]!r} vs {current[at : at + 30]!r}); "
+                "mask_policy='roles' needs a prefix-stable template, or use a template with {% generation %} tags",
+            )
+        if message["role"] in train_roles:
+            start = len(previous)
+            if message["role"] == "assistant":
+                prompt = _render(template, conv, messages[:i], source, add_generation_prompt=True)[0]
+                if len(prompt) > start and current.startswith(prompt):
+                    start = len(prompt)
+            if len(current) <= start:
+                field = f"messages[{i}]"
+                raise RecordError(source, field, f"is a {message['role']} turn that is empty after rendering")
+            spans.append((start, len(current)))
+        previous = current
+    return RenderedDoc(text=previous, train_char_spans=tuple(spans), source=source)
+
+
+def render_record(
+    record: dict[str, Any], template: ChatTemplate | None, config: RenderConfig, source: str = "<record>"
+) -> RenderedDoc:
+    """Normalise and render one raw record. Raises `RecordError` (a ValueError) naming `source` and the field."""
+    fmt = config.format
+    if fmt == "auto":
+        fmt = detect_format(record)
+        if fmt is None:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise RecordError(source, "record", f"has keys {keys}; cannot tell its format ({'/'.join(FORMATS)})")
+    normalized = normalize_record(
+        record,
+        fmt,
+        source,
+        text_field=config.text_field,
+        spans_field=config.spans_field,
+        text_spans=config.text_spans,
+    )
+    if not isinstance(normalized, Conversation):
+        return RenderedDoc(text=normalized.text, train_char_spans=tuple(normalized.train_char_spans), source=source)
+    if template is None:
+        raise TemplateProblem(f"{source}: format {fmt!r} needs a chat template; none was given")
+    if config.mask_policy == "generation":
+        return _generation_spans(template, normalized, source)
+    return _role_spans(template, normalized, config.train_roles, source)
+
+
+# ---------------------------------------------------------------------------------------------------------- sources
+
+
+def _iter_jsonl(path: Path, lines) -> Iterator[tuple[str, Any]]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        source = f"{path}:{lineno}"
+        try:
+            yield source, json.loads(line)
+        except json.JSONDecodeError as err:
+            yield source, RecordError(source, "line", f"is not valid JSON ({err.msg} at column {err.colno})")
+
+
+def iter_source_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield `(source, record)` for every record; a line that is not JSON yields a `RecordError` as its record."""
+    path = Path(path)
+    if path.is_dir():
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+        for split, dataset in splits:
+            prefix = f"{path}[{split}]" if split is not None else str(path)
+            for row, record in enumerate(dataset):
+                yield f"{prefix}:{row}", record
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                yield f"{path}:{row}", record
+                row += 1
+    elif path.is_file():
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+            f.seek(0)
+            if path.suffix == ".json" and head.startswith("["):
+                try:
+                    records = json.load(f)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+                for row, record in enumerate(records):
+                    yield f"{path}:{row}", record
+            else:
+                yield from _iter_jsonl(path, f)
+    else:
+        raise ValueError(f"{path}: source does not exist (expected a JSONL/JSON/Parquet file or a datasets folder)")
+
+
+def _atomic_jsonl(path: Path):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return tmp, open(tmp, "w", encoding="utf-8")
+
+
+def _commit(tmp: Path, handle, path: Path) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def render_source(
+    source_path: str | Path,
+    out_path: str | Path,
+    config: RenderConfig,
+    template: ChatTemplate | None,
+    rejects_path: str | Path | None = None,
+) -> RenderStats:
+    """Render every record of one source into a JSONL shard of `{"text", "train_char_spans", "source"}`.
+
+    With `on_bad_record="reject"`, bad records go to `rejects_path` (default: `<out_path>.rejects.jsonl`) as
+    `{"source", "field", "reason"}` and are counted; with "error" the first one raises its `RecordError`.
+    Both files are written atomically (temporary name, fsync, rename).
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    reject = config.on_bad_record == "reject"
+    if reject and rejects_path is None:
+        rejects_path = out_path.with_name(out_path.name + ".rejects.jsonl")
+    rejects_path = Path(rejects_path) if rejects_path is not None else None
+    fmt = None if config.format == "auto" else config.format
+    record_config = config
+    counts: Counter[str] = Counter()
+    records = rendered = 0
+    tmp, out = _atomic_jsonl(out_path)
+    rtmp, rout = _atomic_jsonl(rejects_path) if reject else (None, None)
+    try:
+        for source, record in iter_source_records(source_path):
+            records += 1
+            try:
+                if isinstance(record, RecordError):
+                    raise record
+                if fmt is None:  # autodetect once per file, from the first valid record
+                    fmt = detect_format(record)
+                    if fmt is None:
+                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                        raise ValueError(
+                            f"{source}: record has keys {keys}; cannot tell the format of {source_path}. "
+                            f"Set format to one of {'/'.join(FORMATS)}"
+                        )
+                    record_config = config.model_copy(update={"format": fmt})
+                doc = render_record(record, template, record_config, source)
+            except RecordError as err:
+                if not reject:
+                    raise
+                counts[err.field.split("[")[0].split(".")[0]] += 1
+                rout.write(json.dumps(err.as_reject(), ensure_ascii=False) + "\n")
+                continue
+            row = {"text": doc.text, "train_char_spans": [list(s) for s in doc.train_char_spans], "source": source}
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            rendered += 1
+        _commit(tmp, out, out_path)
+        if reject:
+            _commit(rtmp, rout, rejects_path)
+    finally:
+        for handle, path in ((out, tmp), (rout, rtmp)):
+            if handle is not None and not handle.closed:
+                handle.close()
+                path.unlink(missing_ok=True)
+    return RenderStats(
+        source=str(source_path),
+        format=fmt,
+        records=records,
+        rendered=rendered,
+        rejected=sum(counts.values()),
+        rejects_by_field=dict(counts),
+        out_path=str(out_path),
+        rejects_path=str(rejects_path) if reject else None,
+    )
+
+
+def read_rendered_shard(path: str | Path) -> list[RenderedDoc]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            spans = tuple((int(s), int(e)) for s, e in row["train_char_spans"])
+            docs.append(RenderedDoc(text=row["text"], train_char_spans=spans, source=row["source"]))
+    return docs
+
+
+def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = None) -> ChatTemplate | None:
+    """Load the template `config` names, with special tokens (bos_token, eos_token, ...) from the tokenizer."""
+    tokenizer = None
+    if tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    if config.template is None and tokenizer is None:
+        if config.format == "text_spans":
+            return None
+        raise ValueError("template: no template given and no tokenizer to take its chat_template from")
+    return load_template(config.template, tokenizer)
