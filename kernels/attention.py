@@ -1,0 +1,190 @@
+"""Varlen causal attention over packed rows, with GQA: one dispatch over four backends.
+
+A packed row holds several documents back to back; ``cu_seqlens`` gives their boundaries. Each token attends to
+the tokens of its own document up to itself, never across documents::
+
+    tokens      a0 a1 a2 b0 b1 c0          cu_seqlens = [0, 3, 5, 6], max_seqlen = 3
+    a2 sees     a0 a1 a2
+    b1 sees              b0 b1
+    c0 sees                    c0
+
+Shapes: q (T, H, D), k and v (T, K, D) with H a multiple of K (GQA: query head h reads kv head h // (H / K)).
+
+Backends (``SFTFLOW_ATTENTION=<name>`` forces one; otherwise the first available in the device's preference):
+
+| backend      | needs                                             |
+|--------------|---------------------------------------------------|
+| ``flash_attn`` | the flash-attn package, CUDA, fp16/bf16          |
+| ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU) |
+| ``torch``    | ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), CUDA, fp16/bf16 |
+| ``sdpa``     | nothing: SDPA with a (T, T) block-diagonal causal mask; the CPU reference (memory O(H T^2)) |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sftflow.kernels import dispatch
+
+KERNEL = "attention"
+ENV_VAR = "SFTFLOW_ATTENTION"
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _flash_attn_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed"
+    if device.type != "cuda":
+        return f"flash_attn needs CUDA, tensors are on {device.type}"
+    if dtype not in HALF:
+        return f"flash_attn needs fp16/bf16, got {dtype}"
+    return None
+
+
+def _torch_varlen_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)"
+    if device.type != "cuda":
+        return f"varlen_attn needs CUDA, tensors are on {device.type}"
+    if dtype not in HALF:
+        return f"varlen_attn needs fp16/bf16, got {dtype}"
+    return None
+
+
+def _triton_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype not in (*HALF, torch.float32):
+        return f"the triton kernel takes fp16/bf16/fp32, got {dtype}"
+    return dispatch.triton_unavailable_reason(device)
+
+
+def _sdpa_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return None
+
+
+BACKENDS = {
+    "flash_attn": _flash_attn_available,
+    "triton": _triton_available,
+    "torch": _torch_varlen_available,
+    "sdpa": _sdpa_available,
+}
+# CUDA order from benchmarks/RESULTS.md (## Kernels): our Triton kernel against torch varlen_attn on the H200.
+PREFERENCE = {"cuda": ("flash_attn", "torch", "triton", "sdpa"), "cpu": ("sdpa", "triton")}
+
+
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
+    """Names of the backends that can run on `device` with `dtype`, in preference order."""
+    device = torch.device(device)
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    return [name for name in order if BACKENDS[name](device, dtype) is None]
+
+
+def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dispatch.BackendChoice:
+    """The backend `varlen_attention` runs for tensors on `device` with `dtype`, and why (logged once)."""
+    device = torch.device(device)
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
+
+
+def _expand_kv(k_TKD: torch.Tensor, group: int) -> torch.Tensor:
+    return k_TKD if group == 1 else k_TKD.repeat_interleave(group, dim=1)
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: True where query i may attend key j (same document and j <= i)."""
+    pos = torch.arange(total, device=device)
+    doc = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long), pos, right=True)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    T, H, _ = q_THD.shape
+    group = H // k_TKD.shape[1]
+    mask = document_causal_mask(cu_seqlens, T, q_THD.device)
+    q = q_THD.transpose(0, 1)[None]
+    k = _expand_kv(k_TKD, group).transpose(0, 1)[None]
+    v = _expand_kv(v_TKD, group).transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale}
+    if "window_size" in params:  # torch >= 2.11: (left, right) = (-1, 0) is causal
+        kwargs["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kwargs["is_causal"] = True
+    group = q_THD.shape[1] // k_TKD.shape[1]
+    if group > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        k_TKD, v_TKD = _expand_kv(k_TKD, group), _expand_kv(v_TKD, group)
+    cu = cu_seqlens.to(torch.int32)
+    return varlen_attn(q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _attention_flash_attn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(torch.int32)
+    return flash_attn_varlen_func(q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+
+
+def _attention_triton(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+    from sftflow.kernels.attention_triton import triton_varlen_attention
+
+    return triton_varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)
+
+
+IMPLEMENTATIONS = {
+    "flash_attn": _attention_flash_attn,
+    "triton": _attention_triton,
+    "torch": _attention_torch,
+    "sdpa": _attention_sdpa,
+}
+
+
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_TKD: torch.Tensor,
+    v_TKD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within each document of a packed row; returns (T, H, D) like `q_THD`. Differentiable.
+
+    `cu_seqlens` is the (N + 1,) int tensor of document boundaries, starting at 0 and ending at T; `max_seqlen`
+    the longest document. `scale` defaults to 1 / sqrt(D). `backend` overrides the dispatch and SFTFLOW_ATTENTION.
+    """
+    if q_THD.ndim != 3 or k_TKD.ndim != 3 or k_TKD.shape != v_TKD.shape:
+        raise ValueError(
+            f"expected q (T, H, D), k and v (T, K, D); got {tuple(q_THD.shape)}, "
+            f"{tuple(k_TKD.shape)}, {tuple(v_TKD.shape)}"
+        )
+    T, H, D = q_THD.shape
+    if k_TKD.shape[0] != T or k_TKD.shape[2] != D or H % k_TKD.shape[1] != 0:
+        raise ValueError(
+            f"k/v shape {tuple(k_TKD.shape)} does not fit q {tuple(q_THD.shape)}: "
+            "need the same T and D, and H a multiple of K"
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [0, ..., T] with at least 2 entries, got {cu_seqlens}")
+    if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but q has T={T} tokens")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if backend is None:
+        backend = select_backend(q_THD.device, q_THD.dtype).name
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not an {KERNEL} backend; expected one of {sorted(BACKENDS)}")
+    return IMPLEMENTATIONS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)

@@ -1,0 +1,179 @@
+"""Fused linear + masked cross-entropy: the LM head and the loss in one pass, without (T, V) logits.
+
+``linear_cross_entropy(hidden_TD, weight_VD, labels_T)`` returns the *sum* of the token losses over the trained
+tokens (labels != ignore_index); the caller divides by the global trained-token count. It works like this::
+
+    rows   = nonzero(labels != -100)                 compact: masked tokens cost no matmul
+    for each chunk of C trained rows:                peak extra memory ~ C x V logits (+ the two gradients)
+        logits_CV  = hidden[rows_C] @ weight^T       cuBLAS, fp32 accumulation, stored in the input dtype
+        loss      += lse(logits) - logits[target]    one kernel reads the logits and overwrites them, in place,
+        logits_CV <- softmax(logits) - onehot        with d loss / d logits (fp32 math)
+        grad_hidden[rows_C]  = logits_CV @ weight
+        grad_weight         += logits_CV^T @ hidden[rows_C]
+
+The gradients are computed in the forward and kept for the backward, which only scales them by the incoming
+gradient (an autograd.Function). The per-chunk softmax step is either plain PyTorch (``reference``, the CPU default
+and the oracle's twin) or a Triton kernel (``triton``, the CUDA default; it also runs on CPU under
+``TRITON_INTERPRET=1``). ``SFTFLOW_CROSS_ENTROPY=<name>`` forces a backend.
+
+Precision: every matmul accumulates in fp32 and the softmax math is fp32. ``grad_weight`` is accumulated across
+chunks in the input dtype (as Liger-Kernel does): an fp32 (V, D) buffer would cost 1 GiB more at V=128k, D=2048.
+The returned loss is an fp32 scalar (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sftflow.kernels import dispatch
+
+KERNEL = "cross_entropy"
+ENV_VAR = "SFTFLOW_CROSS_ENTROPY"
+# Logits of one chunk take at most this many bytes: 128 MiB is 512 rows at V=128256 in bf16, as Liger's heuristic.
+CHUNK_LOGITS_BYTES = 1 << 27
+
+
+def _reference_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return None
+
+
+def _triton_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return dispatch.triton_unavailable_reason(device)
+
+
+BACKENDS = {"triton": _triton_available, "reference": _reference_available}
+PREFERENCE = {"cuda": ("triton", "reference"), "cpu": ("reference", "triton")}
+
+
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
+    """Names of the backends that can run on `device` with `dtype`, in preference order."""
+    device = torch.device(device)
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    return [name for name in order if BACKENDS[name](device, dtype) is None]
+
+
+def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dispatch.BackendChoice:
+    """The backend `linear_cross_entropy` runs for tensors on `device` with `dtype`, and why (logged once)."""
+    device = torch.device(device)
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
+
+
+def _ce_step_reference(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
+    """Sum of CE over the chunk's rows (fp32); overwrites `logits_CV` with softmax - onehot."""
+    # fp32 math (fp64 for fp64 inputs); the same tensor when no cast is needed: fine, it is overwritten anyway
+    x = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=1)
+    loss = (lse - x.gather(1, target_C[:, None]).squeeze(1)).sum()
+    x = torch.exp(x - lse[:, None])
+    x[torch.arange(x.shape[0], device=x.device), target_C] -= 1.0
+    logits_CV.copy_(x)
+    return loss
+
+
+def _ce_step_triton(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
+    from sftflow.kernels.cross_entropy_triton import ce_loss_and_grad_
+
+    return ce_loss_and_grad_(logits_CV, target_C).sum()
+
+
+CE_STEPS = {"reference": _ce_step_reference, "triton": _ce_step_triton}
+
+
+def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that one chunk's logits take at most CHUNK_LOGITS_BYTES (a multiple of 64 when > 64)."""
+    rows = max(1, CHUNK_LOGITS_BYTES // (max(vocab_size, 1) * torch.empty((), dtype=dtype).element_size()))
+    return rows if rows < 64 else rows // 64 * 64
+
+
+def _loss_and_grads(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int,
+    ce_step,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    V = weight_VD.shape[0]
+    loss = torch.zeros((), dtype=torch.promote_types(hidden_TD.dtype, torch.float32), device=hidden_TD.device)
+    grad_hidden = torch.zeros_like(hidden_TD) if need_grad_hidden else None
+    grad_weight = torch.zeros_like(weight_VD) if need_grad_weight else None
+    rows = (labels_T != ignore_index).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return loss, grad_hidden, grad_weight
+    targets = labels_T.index_select(0, rows)
+    if bool(((targets < 0) | (targets >= V)).any()):
+        bad = targets[(targets < 0) | (targets >= V)][0].item()
+        raise ValueError(f"labels: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
+    for start in range(0, rows.numel(), chunk_rows):
+        rows_C = rows[start : start + chunk_rows]
+        h_CD = hidden_TD.index_select(0, rows_C)
+        logits_CV = h_CD @ weight_VD.T
+        loss += ce_step(logits_CV, targets[start : start + chunk_rows])
+        if grad_hidden is not None:
+            grad_hidden.index_copy_(0, rows_C, logits_CV @ weight_VD)
+        if grad_weight is not None:
+            grad_weight.addmm_(logits_CV.T, h_CD)
+    return loss, grad_hidden, grad_weight
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, ce_step, need_h, need_w):
+        loss, grad_hidden, grad_weight = _loss_and_grads(
+            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, ce_step, need_h, need_w
+        )
+        ctx.grads = (grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = (None, None)  # scaled in place below; a second backward through this graph is not supported
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Sum over trained tokens of cross_entropy(hidden @ weight^T, labels); an fp32 scalar, differentiable.
+
+    `hidden_TD` is (..., D) and `labels_T` the matching (...) int tensor with `ignore_index` for untrained tokens.
+    With no trained token the result is a zero still connected to the graph (its gradients are zeros).
+    `backend` overrides the dispatch (and the SFTFLOW_CROSS_ENTROPY variable); `chunk_rows` the chunk size.
+    """
+    if hidden_TD.shape[:-1] != labels_T.shape:
+        raise ValueError(f"labels shape {tuple(labels_T.shape)} does not match hidden {tuple(hidden_TD.shape)}")
+    if weight_VD.ndim != 2 or weight_VD.shape[1] != hidden_TD.shape[-1]:
+        raise ValueError(f"weight shape {tuple(weight_VD.shape)} is not (V, {hidden_TD.shape[-1]})")
+    if backend is None:
+        backend = select_backend(hidden_TD.device, hidden_TD.dtype).name
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a {KERNEL} backend; expected one of {sorted(BACKENDS)}")
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight_VD.shape[0], hidden_TD.dtype)
+    D = hidden_TD.shape[-1]
+    grad_on = torch.is_grad_enabled()
+    loss = _LinearCrossEntropy.apply(
+        hidden_TD.reshape(-1, D),
+        weight_VD,
+        labels_T.reshape(-1),
+        ignore_index,
+        chunk_rows,
+        CE_STEPS[backend],
+        grad_on and hidden_TD.requires_grad,
+        grad_on and weight_VD.requires_grad,
+    )
+    return loss

@@ -1,0 +1,55 @@
+"""Triton step of the fused linear cross-entropy: per row, CE loss and d loss / d logits written over the logits.
+
+One program per row makes two passes over the row's V logits: an online max / sum-exp (fp32), then
+``softmax - onehot(target)`` stored back in the logits' dtype. Imported lazily by ``cross_entropy`` so that
+``TRITON_INTERPRET=1`` can be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    target = tl.load(target_ptr + row)
+    offs = tl.arange(0, BLOCK_V)
+
+    # Pass 1: running max m and running sum of exp(x - m), in fp32.
+    x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    s = tl.sum(tl.exp(x - m), 0)
+    for v0 in range(BLOCK_V, V, BLOCK_V):
+        x = tl.load(base + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    x_target = tl.load(base + target).to(tl.float32)
+    tl.store(loss_ptr + row, lse - x_target)
+
+    # Pass 2: overwrite the logits with softmax - onehot(target).
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse)
+        p = tl.where(cols == target, p - 1.0, p)
+        tl.store(base + cols, p.to(logits_ptr.dtype.element_ty), mask=cols < V)
+
+
+def ce_loss_and_grad_(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
+    """Per-row CE loss (fp32, shape (C,)); `logits_CV` is overwritten with softmax - onehot(target)."""
+    C, V = logits_CV.shape
+    assert logits_CV.stride(1) == 1, "logits rows must be contiguous"
+    loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
+    if C == 0:
+        return loss_C
+    block_v = min(triton.next_power_of_2(V), 4096)
+    _ce_loss_and_grad_kernel[(C,)](
+        logits_CV, logits_CV.stride(0), target_C.contiguous(), loss_C, V, BLOCK_V=block_v, num_warps=8
+    )
+    return loss_C

@@ -1,0 +1,149 @@
+"""linear_cross_entropy against float64 F.cross_entropy on full logits: loss, grad_hidden and grad_weight."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sftflow.kernels import cross_entropy as ce
+from sftflow.kernels.cross_entropy import linear_cross_entropy
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all()
+    denom = ref.norm()
+    return (out - ref).norm().item() / denom.item() if denom > 0 else out.norm().item()
+
+
+def oracle(hidden, weight, labels):
+    """float64 loss sum and grads through materialised logits."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    loss = F.cross_entropy(h @ w.T, labels, reduction="sum", ignore_index=-100)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def make_labels(T: int, V: int, mask_fraction: float, generator, device) -> torch.Tensor:
+    labels = torch.randint(0, V, (T,), generator=generator)
+    masked = torch.randperm(T, generator=generator)[: round(T * mask_fraction)]
+    labels[masked] = -100
+    return labels.to(device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", [1, 17, 257])
+@pytest.mark.parametrize("V", [1, 100, 1000])
+@pytest.mark.parametrize("mask_fraction", [0.0, 0.5, 1.0])
+def test_matches_float64_oracle(backend, T, V, mask_fraction, device):
+    g = torch.Generator().manual_seed(T * 1000 + V + int(mask_fraction * 10))
+    D = 24
+    hidden = torch.randn(T, D, generator=g).to(device).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.5).to(device).requires_grad_()
+    labels = make_labels(T, V, mask_fraction, g, device)
+
+    loss = linear_cross_entropy(hidden, weight, labels, backend=backend, chunk_rows=64)
+    loss.backward()
+    ref_loss, ref_gh, ref_gw = oracle(hidden, weight, labels)
+
+    assert loss.dtype == torch.float32
+    assert hidden.grad.dtype == hidden.dtype and weight.grad.dtype == weight.dtype
+    if (labels != -100).any():
+        assert rel_err(loss, ref_loss) <= 1e-5
+        assert rel_err(hidden.grad, ref_gh) <= 1e-5
+        assert rel_err(weight.grad, ref_gw) <= 1e-5
+    else:  # nothing trained: a graph-connected zero with zero gradients
+        assert loss.item() == 0.0 and loss.grad_fn is not None
+        assert torch.count_nonzero(hidden.grad) == 0 and torch.count_nonzero(weight.grad) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_weights_and_grad_scaling(backend, device):
+    """The LM head is the embedding table: its gradient sums both uses; an upstream scale reaches both grads."""
+    g = torch.Generator().manual_seed(7)
+    T, V, D = 33, 90, 16
+    ids = torch.randint(0, V, (T,), generator=g).to(device)
+    table = torch.randn(V, D, generator=g).to(device).requires_grad_()
+    labels = make_labels(T, V, 0.3, g, device)
+
+    hidden = torch.tanh(F.embedding(ids, table))
+    loss = linear_cross_entropy(hidden, table, labels, backend=backend, chunk_rows=8) / 3.0
+    loss.backward()
+
+    table64 = table.detach().double().requires_grad_()
+    ref = F.cross_entropy(torch.tanh(F.embedding(ids, table64)) @ table64.T, labels, reduction="sum") / 3.0
+    ref.backward()
+    assert rel_err(loss, ref) <= 1e-5
+    assert rel_err(table.grad, table64.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_frozen_weight(backend, device):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 8, generator=g).to(device).requires_grad_()
+    weight = torch.randn(50, 8, generator=g).to(device)  # frozen head: no grad asked, none computed
+    labels = make_labels(18, 50, 0.5, g, device).view(2, 9)
+    loss = linear_cross_entropy(hidden, weight, labels, backend=backend)
+    loss.backward()
+    ref_loss, ref_gh, _ = oracle(hidden.view(18, 8), weight, labels.view(18))
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert rel_err(hidden.grad.view(18, 8), ref_gh) <= 1e-5
+    assert weight.grad is None
+
+
+def test_no_grad_forward_gives_the_loss():
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(20, 8, generator=g), torch.randn(30, 8, generator=g)
+    labels = make_labels(20, 30, 0.5, g, "cpu")
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels)
+    assert rel_err(loss, oracle(hidden, weight, labels)[0]) <= 1e-5
+
+
+def test_bad_inputs_are_value_errors():
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="outside"):
+        linear_cross_entropy(hidden, weight, torch.tensor([1, 10, -100, 2]))
+    with pytest.raises(ValueError, match="does not match"):
+        linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="not a cross_entropy backend"):
+        linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4]), backend="cuda-magic")
+
+
+def test_dispatch_env_override_and_logging(monkeypatch, caplog):
+    monkeypatch.setenv("SFTFLOW_CROSS_ENTROPY", "nope")
+    with pytest.raises(ValueError, match=r"expected one of \['reference', 'triton'\]"):
+        ce.select_backend("cpu")
+    monkeypatch.setenv("SFTFLOW_CROSS_ENTROPY", "reference")
+    with caplog.at_level(logging.INFO, logger="sftflow.kernels"):
+        choice = ce.select_backend("cpu", torch.float32)
+        ce.select_backend("cpu", torch.float32)
+    assert (choice.name, choice.reason) == ("reference", "forced by SFTFLOW_CROSS_ENTROPY")
+    assert sum("cross_entropy backend: reference" in r.getMessage() for r in caplog.records) <= 1
+    monkeypatch.delenv("SFTFLOW_CROSS_ENTROPY")
+    assert ce.select_backend("cpu").name == "reference"
+    assert "reference" in ce.available_backends("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_fraction", [0.0, 0.5])
+def test_triton_bf16_on_gpu(mask_fraction):
+    g = torch.Generator().manual_seed(11)
+    T, D, V = 2048, 512, 32003
+    hidden = torch.randn(T, D, generator=g).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.05).cuda().bfloat16().requires_grad_()
+    labels = make_labels(T, V, mask_fraction, g, "cuda")
+    loss = linear_cross_entropy(hidden, weight, labels, backend="triton", chunk_rows=256)
+    loss.backward()
+    ref_loss, ref_gh, ref_gw = oracle(hidden, weight, labels)
+    assert rel_err(loss, ref_loss) <= 1e-2
+    assert rel_err(hidden.grad, ref_gh) <= 1e-2
+    assert rel_err(weight.grad, ref_gw) <= 1e-2
