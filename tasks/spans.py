@@ -1,0 +1,227 @@
+"""spans: rendered text + trained character spans → token ids + token-level loss spans.
+
+Each text is tokenized once, in batches, by the fast (Rust) tokenizer with `add_special_tokens=False` and offsets.
+A token is trained when any of its characters lies in a trained span, which is the rule Hugging Face's
+`apply_chat_template(..., return_assistant_tokens_mask=True)` applies (token `[a, b)` overlaps a span `[s, e)` when
+`a < e and b > s`; a zero-width token at `a` is trained when `s < a < e`).
+
+One deliberate difference: some tokenizers report *trimmed* offsets (e.g. byte-level BPE with `trim_offsets`
+leaves the leading space of " Hello" out of its offsets), so a character can belong to no token. Hugging Face then
+never trains that character's token. Here each token's start is first extended back to the previous token's end, so
+a gap character belongs to the token that actually contains it. For tokenizers without gaps the two rules agree.
+
+    text     <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n
+    spans                                                         [=========)
+    tokens   <|im_start|> user \\n Hi <|im_end|> \\n <|im_start|> assistant \\n Hello <|im_end|> \\n
+    mask          0        0    0  0     0       0       0          0      0    1        1      0
+
+BOS (`bos="auto"`) is prepended, untrained, only when the tokenizer adds it itself when encoding with special
+tokens and the text does not already start with it. EOS: `never`; `always` appends it (trained) unless the last
+token is already EOS; `auto` appends it (trained) only when the text ends inside a trained span whose last token is
+not EOS (for example `text_spans` records or a template that writes no end-of-turn token), so a document that ends
+in an untrained turn, or whose trained turn already ends with EOS, is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from sftflow.tasks.records import RenderedDoc, TokenizedDoc
+
+SHARD_FORMAT_VERSION = 1
+
+
+class SpansConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bos: Literal["auto", "never"] = "auto"
+    eos: Literal["auto", "always", "never"] = "auto"
+    max_length: int | None = Field(default=None, ge=1)
+    length_policy: Literal["drop", "truncate"] = "drop"
+    batch_size: int = Field(default=256, ge=1)
+
+
+class TokenizeStats(BaseModel):
+    out_path: str
+    docs: int
+    tokens: int
+    loss_tokens: int
+    truncated: int
+    rejected: dict[str, int]
+
+
+def _fast_backend(tokenizer):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer: {type(tokenizer).__name__} is not a fast tokenizer; spans need offset mappings")
+    return backend
+
+
+def _adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(without) and with_special[0] == bos
+
+
+def token_mask(offsets: np.ndarray, spans: tuple[tuple[int, int], ...] | list, text_length: int) -> np.ndarray:
+    """Trained-token mask (bool, one per token) from token character offsets `(L, 2)` and half-open char spans."""
+    count = len(offsets)
+    if count == 0 or not spans:
+        return np.zeros(count, dtype=bool)
+    spans_S2 = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    diff = np.zeros(text_length + 1, dtype=np.int32)
+    np.add.at(diff, spans_S2[:, 0], 1)
+    np.add.at(diff, spans_S2[:, 1], -1)
+    covered = np.cumsum(diff[:text_length]) > 0
+    covered_before = np.concatenate(([0], np.cumsum(covered, dtype=np.int64)))  # chars covered in [0, i)
+    starts = offsets[:, 0]
+    ends = offsets[:, 1]
+    previous_end = np.concatenate(([0], np.maximum.accumulate(ends)[:-1]))
+    starts = np.minimum(starts, previous_end)  # give gap characters (trimmed offsets) to the token after them
+    trained = covered_before[ends] - covered_before[starts] > 0
+    zero_width = ends == starts
+    if zero_width.any():
+        # HF: a zero-width token at position a is trained when a span strictly contains it (s < a < e).
+        pos = starts[zero_width]
+        inside = (pos > 0) & (pos < text_length)
+        left = covered[np.clip(pos - 1, 0, max(text_length - 1, 0))]
+        right = covered[np.clip(pos, 0, max(text_length - 1, 0))]
+        trained[zero_width] = inside & left & right
+    return trained
+
+
+def mask_to_spans(mask: np.ndarray) -> np.ndarray:
+    """Half-open `[start, end)` runs of ones in a 0/1 mask, as int32 `(S, 2)`."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+    return edges.reshape(-1, 2).astype(np.int32)
+
+
+def _tokenize(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tuple[list[TokenizedDoc], Counter, int]:
+    backend = _fast_backend(tokenizer)
+    bos_id = tokenizer.bos_token_id if config.bos == "auto" and _adds_bos(tokenizer) else None
+    eos_id = tokenizer.eos_token_id
+    if config.eos != "never" and eos_id is None:
+        raise ValueError(f"eos: policy {config.eos!r} needs an eos_token, and the tokenizer has none; use eos='never'")
+    out: list[TokenizedDoc] = []
+    rejected: Counter[str] = Counter()
+    truncated = 0
+    for first in range(0, len(docs), config.batch_size):
+        batch = docs[first : first + config.batch_size]
+        encodings = backend.encode_batch([doc.text for doc in batch], add_special_tokens=False)
+        for doc, encoding in zip(batch, encodings, strict=True):
+            ids = np.asarray(encoding.ids, dtype=np.int64)
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
+            if bos_id is not None and (len(ids) == 0 or ids[0] != bos_id):
+                ids = np.concatenate(([bos_id], ids))
+                mask = np.concatenate(([False], mask))
+            if eos_id is not None and len(ids) and ids[-1] != eos_id:
+                if config.eos == "always" or (config.eos == "auto" and mask[-1]):
+                    ids = np.concatenate((ids, [eos_id]))
+                    mask = np.concatenate((mask, [True]))
+            if not mask.any():
+                rejected["no_trained_tokens"] += 1
+                continue
+            if config.max_length is not None and len(ids) > config.max_length:
+                if config.length_policy == "drop" or not mask[: config.max_length].any():
+                    rejected["too_long"] += 1
+                    continue
+                ids, mask = ids[: config.max_length], mask[: config.max_length]
+                truncated += 1
+            out.append(TokenizedDoc(input_ids=ids, loss_spans_S2=mask_to_spans(mask), source=doc.source))
+    return out, rejected, truncated
+
+
+def tokenize_docs(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tuple[list[TokenizedDoc], dict[str, int]]:
+    """Tokenize rendered docs; return the kept docs and the count of rejected docs per reason.
+
+    Reasons: `no_trained_tokens`, `too_long` (dropped, or nothing trained left after truncation).
+    """
+    out, rejected, _ = _tokenize(docs, tokenizer, config)
+    return out, dict(rejected)
+
+
+def _load_tokenizer(tokenizer_or_path):
+    if isinstance(tokenizer_or_path, (str, Path)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_or_path))
+    return tokenizer_or_path
+
+
+def tokenize_rendered_shard(
+    rendered_jsonl_path: str | Path, tokenizer_path, config: SpansConfig, out_path: str | Path
+) -> TokenizeStats:
+    """Tokenize a rendered JSONL shard into an `.npz` (no pickle) of CSR arrays; written atomically.
+
+    Arrays: `input_ids` int32 (N,), `doc_ptr` int64 (D+1,), `loss_spans` int32 (S, 2) relative to each doc,
+    `span_ptr` int64 (D+1,), `sources` uint8 (UTF-8 JSON list of `file:line` strings), `format_version` int64 (1,).
+    `tokenizer_path` may also be a loaded fast tokenizer.
+    """
+    from sftflow.tasks.render import read_rendered_shard
+
+    tokenizer = _load_tokenizer(tokenizer_path)
+    docs, rejected, truncated = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)
+    lengths = np.array([len(d.input_ids) for d in docs], dtype=np.int64)
+    span_counts = np.array([len(d.loss_spans_S2) for d in docs], dtype=np.int64)
+    doc_ptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    span_ptr = np.concatenate(([0], np.cumsum(span_counts))).astype(np.int64)
+    input_ids = np.concatenate([d.input_ids for d in docs]).astype(np.int32) if docs else np.zeros(0, np.int32)
+    loss_spans = np.concatenate([d.loss_spans_S2 for d in docs]) if docs else np.zeros((0, 2), np.int32)
+    sources = np.frombuffer(json.dumps([d.source for d in docs], ensure_ascii=False).encode(), dtype=np.uint8)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                input_ids=input_ids,
+                doc_ptr=doc_ptr,
+                loss_spans=loss_spans.astype(np.int32).reshape(-1, 2),
+                span_ptr=span_ptr,
+                sources=sources,
+                format_version=np.array([SHARD_FORMAT_VERSION], dtype=np.int64),
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return TokenizeStats(
+        out_path=str(out_path),
+        docs=len(docs),
+        tokens=int(lengths.sum()),
+        loss_tokens=int(sum(d.loss_token_count for d in docs)),
+        truncated=truncated,
+        rejected=dict(rejected),
+    )
+
+
+def load_tokenized_shard(path: str | Path) -> list[TokenizedDoc]:
+    """Read a shard written by `tokenize_rendered_shard` back into `TokenizedDoc`s (int64 ids)."""
+    with np.load(path, allow_pickle=False) as shard:
+        version = int(shard["format_version"][0])
+        if version != SHARD_FORMAT_VERSION:
+            raise ValueError(f"{path}: tokenized shard format version {version}; expected {SHARD_FORMAT_VERSION}")
+        input_ids = shard["input_ids"].astype(np.int64)
+        doc_ptr, span_ptr, loss_spans = shard["doc_ptr"], shard["span_ptr"], shard["loss_spans"]
+        sources = json.loads(shard["sources"].tobytes().decode("utf-8"))
+    return [
+        TokenizedDoc(
+            input_ids=input_ids[doc_ptr[i] : doc_ptr[i + 1]],
+            loss_spans_S2=loss_spans[span_ptr[i] : span_ptr[i + 1]],
+            source=sources[i],
+        )
+        for i in range(len(sources))
+    ]
