@@ -98,26 +98,45 @@ def token_dtype_for(vocab_size: int) -> str:
 # --------------------------------------------------------------------------------------------------- writing
 
 
-def _normalize_spans(spans: np.ndarray, length: int, source: str) -> np.ndarray:
-    """Validate one doc's spans and merge touching ones; empty spans are dropped. Returns int32 (S, 2)."""
-    spans = np.asarray(spans)
-    if spans.size == 0:
-        return np.zeros((0, 2), dtype=np.int32)
-    if spans.ndim != 2 or spans.shape[1] != 2:
-        raise ValueError(f"{source}: loss_spans_S2 must have shape (S, 2), got {spans.shape}")
-    spans = spans.astype(np.int64)
-    starts, ends = spans[:, 0], spans[:, 1]
-    if (starts < 0).any() or (ends > length).any() or (ends < starts).any():
-        raise ValueError(f"{source}: loss_spans_S2 {spans.tolist()} out of range for a document of {length} tokens")
-    spans = spans[ends > starts]
-    if len(spans) > 1 and (spans[1:, 0] < spans[:-1, 1]).any():
-        raise ValueError(f"{source}: loss_spans_S2 {spans.tolist()} must be sorted and non-overlapping")
-    if len(spans) > 1:
-        # Merge spans that touch (end == next start): the mask is what matters, and one form keeps hashes canonical.
-        starts_new = np.concatenate([[True], spans[1:, 0] > spans[:-1, 1]])
-        ends_new = np.concatenate([spans[1:, 0] > spans[:-1, 1], [True]])
-        spans = np.stack([spans[starts_new, 0], spans[ends_new, 1]], axis=1)
-    return spans.astype(np.int32)
+def _normalize_spans(docs: Sequence[TokenizedDoc], lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate every doc's spans at once, drop empty spans and merge touching ones.
+
+    Returns CSR `(span_offsets int64 (N + 1,), spans int32 (S, 2))`. Merging keeps one canonical form per mask, so
+    content hashes do not depend on how a mask was cut into spans.
+    """
+    per_doc = []
+    for d in docs:
+        spans = np.asarray(d.loss_spans_S2)
+        if spans.ndim != 2 or spans.shape[1] != 2:
+            if spans.size:
+                raise ValueError(f"{d.source}: loss_spans_S2 must have shape (S, 2), got {spans.shape}")
+            spans = spans.reshape(0, 2)
+        per_doc.append(spans)
+    counts = np.fromiter((len(s) for s in per_doc), dtype=np.int64, count=len(docs))
+    flat = np.concatenate(per_doc).astype(np.int64) if per_doc else np.zeros((0, 2), np.int64)
+    doc_of = np.repeat(np.arange(len(docs)), counts)
+    starts, ends = flat[:, 0], flat[:, 1]
+    bad = np.flatnonzero((starts < 0) | (ends > lengths[doc_of]) | (ends < starts))
+    if bad.size:
+        i = int(doc_of[bad[0]])
+        raise ValueError(
+            f"{docs[i].source}: loss_spans_S2 {per_doc[i].tolist()} out of range for a document of "
+            f"{int(lengths[i])} tokens"
+        )
+    nonempty = ends > starts
+    starts, ends, doc_of = starts[nonempty], ends[nonempty], doc_of[nonempty]
+    same_doc = doc_of[1:] == doc_of[:-1]
+    bad = np.flatnonzero(same_doc & (starts[1:] < ends[:-1]))
+    if bad.size:
+        i = int(doc_of[bad[0]])
+        raise ValueError(f"{docs[i].source}: loss_spans_S2 {per_doc[i].tolist()} must be sorted and non-overlapping")
+    breaks = ~same_doc | (starts[1:] > ends[:-1])  # a new run starts after each break
+    run_start = np.concatenate([[True], breaks]) if len(starts) else np.zeros(0, bool)
+    run_end = np.concatenate([breaks, [True]]) if len(starts) else np.zeros(0, bool)
+    spans = np.stack([starts[run_start], ends[run_end]], axis=1).astype(np.int32)
+    span_offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(doc_of[run_start], minlength=len(docs)), out=span_offsets[1:])
+    return span_offsets, spans
 
 
 def _split_source(source: str) -> tuple[str, int]:
@@ -184,11 +203,11 @@ def write_pbin(
     np.cumsum(lengths, out=doc_offsets[1:])
     if lengths.size and lengths.max() > np.iinfo(np.int32).max:
         raise ValueError(f"{docs[int(lengths.argmax())].source}: document longer than 2**31 - 1 tokens")
-    for d in docs:
-        ids = np.asarray(d.input_ids)
+    ids_list = [np.asarray(d.input_ids) for d in docs]
+    for d, ids in zip(docs, ids_list, strict=True):
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"{d.source}: input_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-    all_ids = np.concatenate([np.asarray(d.input_ids, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    all_ids = np.concatenate(ids_list).astype(np.int64, copy=False) if docs else np.zeros(0, np.int64)
     _check_vocab(all_ids, doc_offsets, docs, vocab_size)
 
     sections: dict[str, np.ndarray] = {
@@ -197,12 +216,9 @@ def write_pbin(
         "doc_lengths": lengths.astype(np.int32),
     }
     if with_spans:
-        per_doc = [_normalize_spans(d.loss_spans_S2, len(d.input_ids), d.source) for d in docs]
-        span_offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter((len(s) for s in per_doc), dtype=np.int64, count=len(docs)), out=span_offsets[1:])
-        spans = np.concatenate(per_doc) if per_doc else np.zeros((0, 2), np.int32)
+        span_offsets, spans = _normalize_spans(docs, lengths)
         sections["span_offsets"] = span_offsets
-        sections["spans"] = spans.astype(np.int32).reshape(-1, 2)
+        sections["spans"] = spans
         num_loss_tokens = int((spans[:, 1].astype(np.int64) - spans[:, 0]).sum())
     else:
         num_loss_tokens = int(lengths.sum())
