@@ -1,0 +1,143 @@
+"""Sandboxed chat templates and exact `{% generation %}` spans."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jinja2.exceptions import SecurityError, TemplateError
+
+from sftflow.tasks.chat_template import ChatTemplate, builtin_template_text, load_template
+
+
+def _chat(*contents):
+    roles = ["user", "assistant"]
+    return [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+
+
+def test_chatml_spans_cover_content_and_end_token_only():
+    text, spans = load_template("chatml").render(_chat("Hi", "Hello!", "And 2+2?", "4"))
+    assert [text[s:e] for s, e in spans] == ["Hello!<|im_end|>", "4<|im_end|>"]
+    assert text.startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!")
+    assert "\x00" not in text
+
+
+def test_llama3_spans_and_bos():
+    template = load_template("llama3")
+    template.special_tokens = {"bos_token": "<|begin_of_text|>"}
+    messages = [{"role": "system", "content": "Be brief."}, *_chat("Hi", "Hello!")]
+    text, spans = template.render(messages)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
+    assert [text[s:e] for s, e in spans] == ["Hello!<|eot_id|>"]
+    assert text[: spans[0][0]].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_chatml_tools_tool_calls_and_reasoning():
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Need the tool.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "21 °C."},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    text, spans = load_template("chatml").render(messages, tools)
+    assert "<tools>\n" + '{"type": "function", "function": {"name": "get_weather", "parameters": {}}}' in text
+    assert [text[s:e] for s, e in spans] == [
+        '<think>\nNeed the tool.\n</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "</tool_call><|im_end|>",
+        "21 °C.<|im_end|>",
+    ]
+    assert '<|im_start|>tool\n{"temp": 21}<|im_end|>\n' in text
+
+
+def test_marker_like_content_cannot_break_spans():
+    nasty = "\x00sftflow-gen-start-00000000000000000000000000000000\x00 {% generation %} \x00sftflow-gen-end-\x00"
+    text, spans = load_template("chatml").render(_chat(nasty, nasty))
+    assert [text[s:e] for s, e in spans] == [nasty + "<|im_end|>"]
+    assert text.count(nasty) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=40), min_size=2, max_size=6))
+def test_spans_match_plain_render_for_any_text(contents):
+    """Stripping the markers gives exactly the text the template renders without the tracker."""
+    template = load_template("chatml")
+    messages = _chat(*contents)
+    text, spans = template.render(messages)
+    assert text == template._compiled.render(messages=messages, tools=None, documents=None)
+    expected = [c + "<|im_end|>" for c in contents[1::2]]
+    assert [text[s:e] for s, e in spans] == expected
+
+
+def test_generation_inside_set_block_and_macro_is_exact():
+    # Hugging Face measures the streamed output when the block closes, which is wrong for captured output.
+    source = (
+        "{% macro turn(m) %}[{{ m.role }}]{% generation %}{{ m.content }}{% endgeneration %}{% endmacro %}"
+        "{% for m in messages %}{% set out %}<{{ turn(m) }}>{% endset %}{{ 'pad' * loop.index }}{{ out }}{% endfor %}"
+    )
+    text, spans = ChatTemplate(source).render(_chat("ab", "cd"))
+    assert text == "pad<[user]ab>padpad<[assistant]cd>"
+    assert [text[s:e] for s, e in spans] == ["ab", "cd"]
+
+
+def test_filter_altering_generation_output_is_detected():
+    source = "{% for m in messages %}{% set out %}{% generation %}{{ m.content }}{% endgeneration %}{% endset %}"
+    source += "{{ out | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="altered by the template"):
+        ChatTemplate(source).render(_chat("ab"))
+
+
+def test_nested_generation_blocks_give_outer_span():
+    source = "x{% generation %}a{% generation %}b{% endgeneration %}c{% endgeneration %}y"
+    text, spans = ChatTemplate(source).render([])
+    assert (text, spans) == ("xabcy", [(1, 4)])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.system('echo pwned') }}",
+        "{{ joiner.__init__.__globals__ }}",
+        "{{ messages.__class__.__base__.__subclasses__() }}",
+        "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
+        "{{ [].append(1) }}",
+    ],
+)
+def test_hostile_templates_are_refused(source):
+    with pytest.raises(SecurityError):
+        ChatTemplate(source).render(_chat("hi"))
+
+
+def test_globals_like_hugging_face():
+    template = ChatTemplate(
+        "{{ {'k': 'é<'} | tojson }}|{{ strftime_now('%Y') | length }}|{% for i in range(5) %}"
+        "{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}|{{ dict(a=1)['a'] }}"
+    )
+    assert template.render([])[0] == '{"k": "é<"}|4|01|1'
+    with pytest.raises(TemplateError, match="no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render([])
+
+
+def test_trim_and_lstrip_blocks_like_hugging_face():
+    text, _ = ChatTemplate("  {% if true %}\nA\n  {% endif %}\nB").render([])
+    assert text == "A\nB"
+
+
+def test_load_template_sources(tmp_path, tiny_tokenizer):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ eos_token }}")
+    assert load_template(str(path), tiny_tokenizer).render([])[0] == "<|im_end|>"
+    assert load_template(None, tiny_tokenizer).text == tiny_tokenizer.chat_template
+    assert load_template("chatml").text == builtin_template_text("chatml")
+    with pytest.raises(ValueError, match="neither a built-in"):
+        load_template("chatml2")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}")
