@@ -79,7 +79,10 @@ def detect_format(record: Any) -> str | None:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", type(None): "null"}.get(type(value), f"a {type(value).__name__}")
+    name = type(value).__name__
+    return {dict: "an object", list: "a list", type(None): "null"}.get(
+        type(value), f"a{'n' * (name[0] in 'aeiou')} {name}"
+    )
 
 
 def _string(record: dict, key: str, source: str, field: str, required: bool = True) -> str | None:
