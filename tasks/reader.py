@@ -99,13 +99,15 @@ class DocumentReader:
 class IndexedDataset:
     """One split of a dataset index as a map-style dataset: `ds[i] -> (input_ids int64, loss_spans int32 (S, 2))`.
 
-    `lengths` (int32) and `loss_token_counts` (int32) are per item, in the same order, for the planner. Works as a
+    `lengths` (int32) and `loss_token_counts` (int32) are per item, in the same order, for the planner;
+    `vocab_size` comes from the shards. Works as a
     `torch.utils.data.Dataset` (duck-typed: `__len__` and `__getitem__`), including in forked or spawned workers.
     """
 
     def __init__(self, index: str | Path | IndexData, split: str = "train"):
         self.index = index if isinstance(index, IndexData) else load_index(index)
         self.split = split
+        self.vocab_size: int | None = self.index.meta.get("vocab_size")
         self.ids = np.asarray(self.index.ids(split))
         self._shard = np.asarray(self.index.shard)[self.ids]
         self._doc = np.asarray(self.index.doc)[self.ids]

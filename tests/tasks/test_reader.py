@@ -69,6 +69,7 @@ def test_indexed_dataset_splits(dataset_dir):
     index_dir, by_ids = dataset_dir
     train, ev = IndexedDataset(index_dir, "train"), IndexedDataset(index_dir, "eval")
     assert len(train) > 0 and len(ev) > 0
+    assert train.vocab_size == 1000
     seen = set()
     for ds in (train, ev):
         assert ds.lengths.dtype == np.int32 and ds.loss_token_counts.dtype == np.int32
