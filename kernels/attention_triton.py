@@ -24,14 +24,21 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Block shapes per head dim, from the H200 sweep in benchmarks/attention.py (see benchmarks/RESULTS.md).
+# Block shapes per head dim, from the H200 sweep in benchmarks/attention.py (see benchmarks/RESULTS.md). The backward
+# runs two kernels: dK/dV (a program per key block) and dQ (a program per query block), each with its own shape.
 FWD_CONFIGS = {
     64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 }
 BWD_CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+    64: {
+        "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    },
+    128: {
+        "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    },
 }
 SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)  # the CPU interpreter and odd head dims
 
@@ -264,12 +271,13 @@ def _bwd_dkdv_kernel(
     )
 
 
-def _config(table: dict, D: int, device: torch.device, override: dict | None) -> dict:
+def _config(table: dict, D: int, device: torch.device, override: dict | None, part: str | None = None) -> dict:
     if override is not None:
-        return dict(override)
+        return dict(override[part] if part else override)
     if device.type != "cuda":
         return dict(SMALL_CONFIG)
-    return dict(table.get(D, SMALL_CONFIG if D < 64 else table[128]))
+    entry = table.get(D) or table[64 if D < 64 else 128]
+    return dict(entry[part] if part else entry)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -330,9 +338,9 @@ class _VarlenAttention(torch.autograd.Function):
         do = do.contiguous() if do.stride(-1) != 1 else do
         delta = (o.float() * do.float()).sum(-1).T.contiguous()  # (H, T): rowsum(dO * O)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        cfg = _config(BWD_CONFIGS, D, q.device, ctx.bwd_config)
-        block_d = max(16, triton.next_power_of_2(D))
-        common = dict(GROUP=H // K, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **cfg)
+        cfg_kv = _config(BWD_CONFIGS, D, q.device, ctx.bwd_config, "dkdv")
+        cfg_q = _config(BWD_CONFIGS, D, q.device, ctx.bwd_config, "dq")
+        common = dict(GROUP=H // K, BLOCK_D=max(16, triton.next_power_of_2(D)), PRECISION=_precision(q.dtype))
         strides_in = (
             q.stride(0),
             q.stride(1),
@@ -343,7 +351,7 @@ class _VarlenAttention(torch.autograd.Function):
             do.stride(0),
             do.stride(1),
         )
-        _bwd_dkdv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), K)](
+        _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]), K)](
             q,
             k,
             v,
@@ -364,8 +372,9 @@ class _VarlenAttention(torch.autograd.Function):
             ctx.scale * LOG2E,
             ctx.scale,
             **common,
+            **cfg_kv,
         )
-        _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), H)](
+        _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]), H)](
             q,
             k,
             v,
@@ -382,6 +391,7 @@ class _VarlenAttention(torch.autograd.Function):
             ctx.scale * LOG2E,
             ctx.scale,
             **common,
+            **cfg_q,
         )
         return dq, dk, dv, None, None, None, None, None
 
@@ -397,7 +407,11 @@ def triton_varlen_attention(
     fwd_config: dict | None = None,
     bwd_config: dict | None = None,
 ) -> torch.Tensor:
-    """Causal attention within documents; `fwd_config` / `bwd_config` override the block shapes (for tuning)."""
+    """Causal attention within documents.
+
+    `fwd_config` ({BLOCK_M, BLOCK_N, num_warps, num_stages}) and `bwd_config` ({"dkdv": {...}, "dq": {...}}) override
+    the block shapes, for tuning.
+    """
     T, H, D = q_THD.shape
     if q_THD.numel() >= 2**31 or k_TKD.numel() >= 2**31:
         raise ValueError(f"q {tuple(q_THD.shape)} has 2**31 or more elements; the kernel indexes in int32")

@@ -1,0 +1,184 @@
+"""Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
+
+    python benchmarks/attention.py [--variants triton torch flex] [--sweep] [--out results.md]
+
+One packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1, clipped to [16, 4096]; the last
+document is cut to fill the row), bf16, shapes (H=32, D=64) and (H=16, D=128), each with K=H and K=H/4.
+Useful FLOPs (the convention of issue #5): forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
+2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
+(median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
+"""
+
+# ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import platform
+
+import numpy as np
+import torch
+import triton
+from triton.testing import do_bench
+
+from sftflow.kernels.attention import varlen_attention
+from sftflow.kernels.attention_triton import triton_varlen_attention
+
+SHAPES = [(32, 32, 64), (32, 8, 64), (16, 16, 128), (16, 4, 128)]  # (H, K, D)
+
+
+def doc_lengths(total: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(np.clip(rng.lognormal(np.log(600), 1.0), 16, 4096)))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a, b = (
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+    )
+    return 2 * n**3 / do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median") / 1e9
+
+
+def flex_fn(lengths, T, H, K):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+    flex = torch.compile(flex_attention)
+
+    def run(q, k, v, cu, max_len):  # flex wants (B, H, T, D); the layout change is timed with it
+        o = flex(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=block_mask,
+            enable_gqa=H != K,
+        )
+        return o[0].transpose(0, 1)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, default=16384)
+    parser.add_argument("--variants", nargs="+", default=["triton", "torch"])
+    parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at K=H")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    T = args.T
+    lengths = doc_lengths(T)
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device="cuda")
+    max_len = max(lengths)
+    sum_l2 = float(sum(length**2 for length in lengths))
+    rate = matmul_tflops()
+    print(f"{len(lengths)} docs, max {max_len}, median {int(np.median(lengths))}; bf16 matmul {rate:.0f} TFLOP/s")
+    rows = []
+    for H, K, D in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(H * D + K)
+        q, k, v = (
+            torch.randn(T, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for n in (H, K, K)
+        )
+        do = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        fwd_flops = 2 * sum_l2 * H * D
+        fns = {}
+        for name in args.variants:
+            if name == "flex":
+                fns[name] = flex_fn(lengths, T, H, K)
+            else:
+                fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
+        check_name = "torch" if "torch" in args.variants else "sdpa"
+        with torch.no_grad():
+            ref = varlen_attention(q, k, v, cu, max_len, backend=check_name).float()
+        for name, fn in fns.items():
+            with torch.no_grad():
+                o = fn(q, k, v, cu, max_len).float()
+            err = ((o - ref).norm() / ref.norm()).item()
+            ms_f = do_bench(lambda fn=fn: fn(q, k, v, cu, max_len), warmup=100, rep=500, return_mode="median")
+
+            def fb(fn=fn):
+                return torch.autograd.grad(fn(q, k, v, cu, max_len), (q, k, v), do)
+
+            ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
+            rows.append((H, K, D, name, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, err))
+            print(rows[-1], flush=True)
+        if args.sweep and H == K:
+            sweep(q, k, v, do, cu, max_len, D, fwd_flops)
+    base = {(r[0], r[1], r[2]): r for r in rows if r[3] == "torch"}
+    now = datetime.date.today().isoformat()
+    lines = [
+        f"### Varlen causal attention, T={T} packed, {len(lengths)} docs (lognormal median 600, sigma 1, "
+        f"[16, 4096]), bf16 ({now}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, python {platform.python_version()}; bf16 matmul {rate:.0f} TFLOP/s)",
+        "",
+        "| H | K | D | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | × torch (fwd+bwd) | "
+        "fwd × torch | % of matmul | out err vs torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for H, K, D, name, ms_f, tf_f, ms_fb, tf_fb, err in rows:
+        b = base.get((H, K, D))
+        speed = f"{b[6] / ms_fb:.2f}" if b else "-"
+        speed_f = f"{b[4] / ms_f:.2f}" if b else "-"
+        lines.append(
+            f"| {H} | {K} | {D} | {name} | {ms_f:.3f} | {tf_f:.0f} | {ms_fb:.3f} | {tf_fb:.0f} | {speed} | "
+            f"{speed_f} | {100 * tf_fb / rate:.0f}% | {err:.1e} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n\n")
+
+
+def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
+    scale = D**-0.5
+    fwd_grid = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)]
+    best_fwd = None
+    for bm, bn, w, s in fwd_grid:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        try:
+            ms = do_bench(
+                lambda cfg=cfg: triton_varlen_attention(q, k, v, cu, max_len, scale, fwd_config=cfg),
+                warmup=50,
+                rep=200,
+                return_mode="median",
+            )
+        except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            print(f"sweep D={D} fwd {cfg}: failed {type(err).__name__}")
+            continue
+        print(f"sweep D={D} fwd {cfg}: {ms:.3f} ms {fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        best_fwd = min(best_fwd or (ms, cfg), (ms, cfg), key=lambda x: x[0])
+    dkdv_grid = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 2)]
+    dq_grid = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3)]
+    fwd_cfg = best_fwd[1]
+    for (a, b, c, d), (e, f, g_, h) in itertools.product(dkdv_grid, dq_grid):
+        bwd = {
+            "dkdv": dict(BLOCK_M=a, BLOCK_N=b, num_warps=c, num_stages=d),
+            "dq": dict(BLOCK_M=e, BLOCK_N=f, num_warps=g_, num_stages=h),
+        }
+
+        def fb(bwd=bwd):
+            o = triton_varlen_attention(q, k, v, cu, max_len, scale, fwd_config=fwd_cfg, bwd_config=bwd)
+            return torch.autograd.grad(o, (q, k, v), do)
+
+        try:
+            ms = do_bench(fb, warmup=50, rep=200, return_mode="median")
+        except Exception as err:  # noqa: BLE001
+            print(f"sweep D={D} bwd {bwd}: failed {type(err).__name__}")
+            continue
+        print(f"sweep D={D} fwd+bwd {bwd}: {ms:.3f} ms {3.5 * fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
