@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.pbin import PbinFile
+from sftflow.tasks.pbin import PbinFile, atomic_writer
 
 INDEX_FORMAT_VERSION = 1
 ARRAY_NAMES = ("shard", "doc", "length", "loss_tokens", "content_hash", "split", "train_ids", "eval_ids")
@@ -261,7 +260,8 @@ def build_index(
         "arrays": array_meta,
     }
     index_path = out_dir / "index.json"
-    _atomic_write(index_path, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    with atomic_writer(index_path) as f:
+        f.write((json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     return IndexInfo(
         path=str(index_path),
         sha256=sha256_file(index_path),
@@ -281,30 +281,9 @@ _EMPTY_DTYPES = {
 }
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _save_npy(path: Path, arr: np.ndarray) -> dict[str, Any]:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as f:
+        np.save(f, arr, allow_pickle=False)
     return {"file": path.name, "dtype": arr.dtype.name, "shape": list(arr.shape), "sha256": sha256_file(path)}
 
 

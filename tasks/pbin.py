@@ -41,9 +41,10 @@ import json
 import mmap
 import os
 import struct
-import tempfile
+import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -266,22 +267,12 @@ def write_pbin(
     preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), zlib.crc32(header_bytes), 0)
 
     digest = hashlib.sha256()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write(f, digest, preamble + header_bytes)
-            for k, arr in enumerate(sections.values()):
-                _write(f, digest, _bytes(arr))
-                if k + 1 < len(sections):  # no trailing padding: the file ends where the last section ends
-                    _write(f, digest, b"\0" * _pad(arr.nbytes))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    with atomic_writer(path) as f:
+        _write(f, digest, preamble + header_bytes)
+        for k, arr in enumerate(sections.values()):
+            _write(f, digest, _bytes(arr))
+            if k + 1 < len(sections):  # no trailing padding: the file ends where the last section ends
+                _write(f, digest, b"\0" * _pad(arr.nbytes))
     return PbinInfo(
         path=str(path),
         sha256=digest.hexdigest(),
@@ -309,10 +300,27 @@ def _write(f: BinaryIO, digest: Any, data: bytes | memoryview) -> None:
     digest.update(data)
 
 
-def _fsync_dir(folder: Path) -> None:
+@contextmanager
+def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """Write `path` atomically: a temporary file in the same folder, fsync, rename over `path`, fsync the folder.
+
+    Readers see the old file or the new one, never a partial one; on error the temporary file is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        with open(tmp, "xb") as f:  # "x": never clobber; default permissions (mkstemp would make it 0600)
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is atomic regardless
         return
     try:
         os.fsync(fd)
