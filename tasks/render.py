@@ -138,7 +138,7 @@ def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source:
                     start = len(prompt)
             if len(current) <= start:
                 field = f"messages[{i}]"
-                raise RecordError(source, field, f"is a {message['role']} turn that is empty after rendering")
+                raise RecordError(source, field, f"is a {message['role']!r} turn that is empty after rendering")
             spans.append((start, len(current)))
         previous = current
     return RenderedDoc(text=previous, train_char_spans=tuple(spans), source=source)
