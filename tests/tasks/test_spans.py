@@ -152,9 +152,9 @@ def _trimming_tokenizer(tiny_tokenizer_dir):
 def test_trimmed_offsets_where_hugging_face_leaves_a_character_in_no_token(tiny_tokenizer, tiny_tokenizer_dir):
     """HF maps spans through trimmed offsets, so a trained leading space can leave its token untrained.
 
-    The token holding the space before "answer" has trimmed offsets that start after the space. The trained span below is exactly
-    that space: the token holds a trained character, so we train it (as HF does with untrimmed offsets), while HF's
-    mask over the trimmed offsets is all zero.
+    The token holding the space before "answer" has trimmed offsets that start after the space. The trained span
+    below is exactly that space: the token holds a trained character, so we train it (as HF does with untrimmed
+    offsets), while HF's rule over the trimmed offsets trains nothing.
     """
     trimming = _trimming_tokenizer(tiny_tokenizer_dir)
     text = "The answer is 42."
