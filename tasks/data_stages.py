@@ -1,0 +1,212 @@
+"""Prefect tasks for the data stages: render → spans → pbin per shard, then index.
+
+Each task is a thin typed wrapper over the plain function that does the work (`render_source`,
+`tokenize_rendered_shard`, `write_pbin`, `build_index`). It writes into a folder named by its content-derived cache key
+(see `sftflow.tasks.caching`) and returns a small manifest. Bad input raises `ValueError` and is not retried; transient
+I/O errors (`OSError`) are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import task
+from pydantic import BaseModel, ConfigDict, Field
+
+from sftflow.tasks.caching import (
+    StageCache,
+    read_manifest,
+    retry_on_io_error,
+    write_checksums,
+    write_manifest,
+)
+from sftflow.tasks.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
+from sftflow.tasks.index import build_index
+from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
+from sftflow.tasks.pbin import FORMAT_VERSION, write_pbin
+from sftflow.tasks.render import RenderConfig, render_source, resolve_template
+from sftflow.tasks.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
+
+RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
+RESULTS = dict(persist_result=True, result_serializer="json")
+
+
+class SourceFile(BaseModel):
+    """One input file (or `datasets` folder) and its content hash."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    sha256: str
+
+
+class TokenizerRef(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    path: str
+    sha256: str
+
+
+class IndexConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_length: int | None = Field(default=None, ge=1)
+    dedup: bool = True
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    split_salt: str = "sftflow"
+
+
+def source_file(path: str | Path) -> SourceFile:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{path}: source does not exist")
+    return SourceFile(path=str(p.resolve()), sha256=sha256_tree(p))
+
+
+def tokenizer_ref(path_or_id: str, work_dir: str | Path) -> TokenizerRef:
+    """A local tokenizer folder as is, or a hub id saved once into `work_dir/tokenizers/` so it can be hashed."""
+    p = Path(path_or_id)
+    if p.is_dir():
+        return TokenizerRef(path=str(p.resolve()), sha256=sha256_tree(p))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+    out = Path(work_dir) / "tokenizers" / sha256_text(path_or_id)[:16]
+    tokenizer.save_pretrained(out)
+    return TokenizerRef(path=str(out.resolve()), sha256=sha256_tree(out))
+
+
+def template_sha256(config: RenderConfig, tokenizer: TokenizerRef) -> str:
+    template = resolve_template(config, tokenizer.path)
+    return sha256_text(template.text if template is not None else "")
+
+
+def _inject_fault(stage: str) -> None:
+    """Test hook: `SFTFLOW_INJECT_FAULT=<stage>:<marker>` raises one transient OSError, then never again."""
+    spec = os.environ.get("SFTFLOW_INJECT_FAULT", "")
+    if not spec.startswith(stage + ":"):
+        return
+    marker = Path(spec.split(":", 1)[1])
+    if not marker.exists():
+        marker.write_text("fired")
+        raise OSError(f"injected transient I/O error in {stage}")
+
+
+_MODULES = ("sftflow.tasks.data_stages", "sftflow.tasks.caching", "sftflow.tasks.manifests")
+RENDER_CACHE = StageCache(
+    stage="render",
+    version="1",
+    modules=(*_MODULES, "sftflow.tasks.render", "sftflow.tasks.formats", "sftflow.tasks.chat_template"),
+)
+SPANS_CACHE = StageCache(stage="spans", version="1", modules=(*_MODULES, "sftflow.tasks.spans"))
+PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), modules=(*_MODULES, "sftflow.tasks.pbin"))
+INDEX_CACHE = StageCache(stage="index", version="1", modules=(*_MODULES, "sftflow.tasks.index"))
+
+
+@task(name="render", cache_policy=RENDER_CACHE, task_run_name="render-{source.path}", **RETRY, **RESULTS)
+def render_task(
+    source: SourceFile, tokenizer: TokenizerRef, template_sha: str, config: RenderConfig, work_dir: str
+) -> RenderedShard:
+    inputs = dict(source=source, tokenizer=tokenizer, template_sha=template_sha, config=config, work_dir=work_dir)
+    out_dir = RENDER_CACHE.output_dir(inputs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _inject_fault("render")
+    template = resolve_template(config, tokenizer.path)
+    stats = render_source(source.path, out_dir / "rendered.jsonl", config, template, out_dir / "rejects.jsonl")
+    manifest = RenderedShard(
+        path=stats.out_path,
+        sha256=sha256_file(stats.out_path),
+        source_path=source.path,
+        source_sha256=source.sha256,
+        template_sha256=template_sha,
+        num_records=stats.rendered,
+        num_rejected=stats.rejected,
+        rejects_path=stats.rejects_path,
+        config_sha256=sha256_json(config.model_dump(mode="json")),
+    )
+    write_manifest(out_dir, manifest)
+    write_checksums(out_dir)
+    return manifest
+
+
+@task(name="spans", cache_policy=SPANS_CACHE, **RETRY, **RESULTS)
+def spans_task(rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansConfig, work_dir: str) -> TokenizedShard:
+    rendered.verify()
+    out_dir = SPANS_CACHE.output_dir(dict(rendered=rendered, tokenizer=tokenizer, config=config, work_dir=work_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _inject_fault("spans")
+    stats = tokenize_rendered_shard(rendered.path, tokenizer.path, config, out_dir / "tokenized.npz")
+    manifest = TokenizedShard(
+        path=stats.out_path,
+        sha256=sha256_file(stats.out_path),
+        rendered_sha256=rendered.sha256,
+        tokenizer_sha256=tokenizer.sha256,
+        num_docs=stats.docs,
+        num_tokens=stats.tokens,
+        num_loss_tokens=stats.loss_tokens,
+        num_rejected=sum(stats.rejected.values()),
+        rejected_reasons=dict(stats.rejected),
+        config_sha256=sha256_json(config.model_dump(mode="json")),
+    )
+    write_manifest(out_dir, manifest)
+    write_checksums(out_dir)
+    return manifest
+
+
+def _vocab_size(tokenizer: TokenizerRef) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer.path))
+
+
+@task(name="pbin", cache_policy=PBIN_CACHE, **RETRY, **RESULTS)
+def pbin_task(tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: TokenizerRef, work_dir: str) -> PbinShard:
+    tokenized.verify()
+    inputs = dict(tokenized=tokenized, rendered=rendered, tokenizer=tokenizer, work_dir=work_dir)
+    out_dir = PBIN_CACHE.output_dir(inputs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _inject_fault("pbin")
+    provenance = {
+        "source_sha256": rendered.source_sha256,
+        "template_sha256": rendered.template_sha256,
+        "tokenizer_sha256": tokenizer.sha256,
+    }
+    docs = load_tokenized_shard(tokenized.path)
+    info = write_pbin(out_dir / "shard.pbin", docs, vocab_size=_vocab_size(tokenizer), provenance=provenance)
+    manifest = PbinShard(**asdict(info))
+    write_manifest(out_dir, manifest)
+    write_checksums(out_dir)
+    return manifest
+
+
+@task(name="index", cache_policy=INDEX_CACHE, **RETRY, **RESULTS)
+def index_task(shards: list[PbinShard], config: IndexConfig, work_dir: str) -> DatasetIndex:
+    for shard in shards:
+        shard.verify()
+    out_dir = INDEX_CACHE.output_dir(dict(shards=shards, config=config, work_dir=work_dir))
+    _inject_fault("index")
+    info = build_index(
+        [s.path for s in shards],
+        out_dir,
+        max_length=config.max_length,
+        dedup=config.dedup,
+        eval_fraction=config.eval_fraction,
+        split_salt=config.split_salt,
+        shard_sha256s=[s.sha256 for s in shards],
+    )
+    manifest = DatasetIndex(
+        path=str(info.path),
+        sha256=info.sha256,
+        shards=shards,
+        num_train=info.num_train,
+        num_eval=info.num_eval,
+        num_train_tokens=info.num_train_tokens,
+        num_eval_tokens=info.num_eval_tokens,
+        dropped=dict(info.dropped),
+    )
+    write_manifest(out_dir, manifest)
+    write_checksums(out_dir)
+    return manifest
+
+
+def load_index_manifest(index_dir: str | Path) -> DatasetIndex:
+    return read_manifest(Path(index_dir), DatasetIndex)
