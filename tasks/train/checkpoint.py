@@ -1,0 +1,225 @@
+"""DCP checkpoints of Stateful components: `model`, `optimizer`, `lr_scheduler`, `progress`.
+
+Layout of `RUN_DIR/checkpoints/`::
+
+    step-4/      a torch.distributed.checkpoint folder (.metadata + one file per rank)
+    step-8/
+    latest       the text "step-8", written (atomically) only after step-8/ is complete on every rank
+
+Model and optimizer state go through `torch.distributed.checkpoint.state_dict` (`get_model_state_dict` and friends),
+keyed by the Hugging Face parameter names, so a checkpoint saved by N ranks loads on M ranks (DCP reshards) and into a
+plain single-process model (`load_model_weights`).
+
+Resume loads every component from `latest`. `init_from` loads only the named components from another run's
+checkpoint: by default just `model`, i.e. a new fine-tune that starts from those weights with a fresh optimizer,
+schedule and step counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class ModelState(Stateful):
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self):
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict):
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict):
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class SchedulerState(Stateful):
+    """An LR scheduler's counters (the lambdas are code, rebuilt from config)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self):
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, state_dict):
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state_dict})
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+
+
+@dataclass
+class Progress(Stateful):
+    """Where training stands: completed optimizer steps, epoch, tokens seen, and the CPU RNG.
+
+    Every rank seeds the same generator and training draws no per-rank randomness (no dropout), so one RNG state
+    serves all ranks and survives a change of world size.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+    trained_tokens_seen: int = 0
+    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+
+    def state_dict(self):
+        return {
+            "step": torch.tensor(self.step),
+            "epoch": torch.tensor(self.epoch),
+            "tokens_seen": torch.tensor(self.tokens_seen),
+            "trained_tokens_seen": torch.tensor(self.trained_tokens_seen),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state_dict):
+        self.step = int(state_dict["step"])
+        self.epoch = int(state_dict["epoch"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        self.trained_tokens_seen = int(state_dict["trained_tokens_seen"])
+        self.rng = state_dict["rng"]
+        torch.set_rng_state(self.rng)
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step}"
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint named by `folder/latest`, or None when no save has completed."""
+    marker = folder / LATEST
+    if not marker.is_file():
+        return None
+    path = folder / marker.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{marker}: names {path.name}, which is not a complete checkpoint (no .metadata)")
+    return path
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A `step-N` folder as given, or the latest checkpoint of a run dir / checkpoints folder."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    for folder in (path, path / "checkpoints"):
+        found = latest_checkpoint(folder)
+        if found is not None:
+            return found
+    raise ValueError(f"init_from={path}: not a DCP checkpoint folder (no .metadata) nor a run with a 'latest' marker")
+
+
+def checkpoint_components(path: Path) -> set[str]:
+    """Top-level components stored in a DCP checkpoint, read from its metadata (no tensor is loaded)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def check_components(path: Path, wanted: tuple[str, ...]) -> None:
+    unknown = [c for c in wanted if c not in COMPONENTS]
+    if unknown:
+        raise ValueError(f"load_components: unknown component(s) {unknown}; expected a subset of {list(COMPONENTS)}")
+    present = checkpoint_components(path)
+    missing = [c for c in wanted if c not in present]
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} has no {missing} (it holds {sorted(present)}); drop them from load_components"
+        )
+
+
+class Checkpointer:
+    """Saves and restores the components of one run."""
+
+    def __init__(self, config: CheckpointConfig, states: dict[str, Stateful], *, is_main: bool):
+        assert set(states) == set(COMPONENTS), sorted(states)
+        self.config = config
+        self.states = states
+        self.is_main = is_main
+        self.last_saved_step: int | None = None
+
+    def restore(self) -> str:
+        """Resume from `latest` (all components) or initialise from `init_from` (the chosen ones). Says what it did."""
+        latest = latest_checkpoint(self.config.folder)
+        if latest is not None:
+            if not self.config.resume:
+                raise ValueError(f"{self.config.folder} already holds checkpoints; pass resume to continue that run")
+            dcp.load(dict(self.states), checkpoint_id=str(latest))
+            self.last_saved_step = int(_STEP_DIR.match(latest.name).group(1))
+            return f"resumed all components from {latest}"
+        if self.config.init_from is not None:
+            path = resolve_checkpoint(self.config.init_from)
+            check_components(path, self.config.load_components)
+            dcp.load({c: self.states[c] for c in self.config.load_components}, checkpoint_id=str(path))
+            return f"initialised {list(self.config.load_components)} from {path}"
+        return "fresh start"
+
+    def due(self, step: int) -> bool:
+        return self.config.every > 0 and step % self.config.every == 0
+
+    def save(self, step: int) -> Path:
+        """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""
+        path = step_dir(self.config.folder, step)
+        if self.is_main and path.exists():
+            shutil.rmtree(path)  # a partial save left by a crash at this very step
+        dist.barrier()
+        dcp.save(dict(self.states), checkpoint_id=str(path))
+        dist.barrier()  # every rank's shard is written before `latest` moves
+        if self.is_main:
+            tmp = self.config.folder / f".{LATEST}.tmp"
+            tmp.write_text(path.name)
+            os.replace(tmp, self.config.folder / LATEST)
+            self._prune()
+        self.last_saved_step = step
+        return path
+
+    def _prune(self) -> None:
+        steps = sorted(
+            int(m.group(1)) for p in self.config.folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+        )
+        for old in steps[: -self.config.keep_last]:
+            shutil.rmtree(step_dir(self.config.folder, old), ignore_errors=True)
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Load the `model` component of a DCP checkpoint into a plain (unsharded, single-process) HF model."""
+    path = resolve_checkpoint(Path(path))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the full (unsharded) state dict onto rank 0's CPU; a collective, call it on every rank."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,213 @@
+"""Training configuration: one pydantic `TrainConfig` at the edge (CLI, flow parameters, `run.json`), and small frozen
+dataclasses the worker's components take.
+
+`TrainConfig` is validated once, when it is built; the worker reads it back from `RUN_DIR/run.json` and hands each
+component only its own slice (`OptimConfig`, `ScheduleConfig`, `CheckpointConfig`, `MetricsConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sftflow.tasks.train.mock import MockConfig
+
+RUN_FORMAT_VERSION = 1
+# Everything a checkpoint holds; `init_from` may load any subset.
+COMPONENTS = ("model", "optimizer", "lr_scheduler", "progress")
+
+
+class TrainConfig(BaseModel):
+    """The `train` stage's whole configuration; `sftflow train` flags map onto these fields one to one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # inputs
+    data: str | None = Field(None, description="dataset index folder (sft-data output); or use `mock`")
+    data_split: str = "train"
+    mock: MockConfig | None = Field(None, description="synthetic documents instead of `data` (benchmarks, tests)")
+    plan: str = Field(description="folder holding plan.npz (sft-plan output)")
+    model: str = Field(description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'")
+    model_overrides: dict[str, int | float | str | bool] = Field(
+        default_factory=dict, description="config overrides for presets and config.json models (e.g. num_hidden_layers)"
+    )
+    tokenizer: str | None = Field(None, description="tokenizer folder copied into hf/ (default: the model's)")
+    out: str = Field(description="run directory")
+
+    # launch
+    nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
+    rdzv_id: str | None = Field(None, description="rendezvous id shared by all nodes of one run (multi-node)")
+    timeout_s: float | None = Field(None, gt=0, description="kill the training process group after this long")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
+
+    # optimisation
+    max_steps: int | None = Field(None, ge=0, description="stop after this many optimizer steps (default: the plan's)")
+    lr: float = Field(2e-5, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    seed: int = 0
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
+    )
+    max_nonfinite_steps: int = Field(3, ge=0, description="fail after this many consecutive skipped NaN/inf steps")
+
+    # checkpoints and export
+    checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
+    keep_last: int = Field(2, ge=1)
+    resume: bool = False
+    init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
+    load_components: tuple[str, ...] = ("model",)
+    export: bool = True
+    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+
+    # metrics
+    ema_alpha: float = Field(0.9, ge=0, lt=1)
+    log_every: int = Field(1, ge=1)
+    peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
+    save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
+
+    @field_validator("load_components", mode="before")
+    @classmethod
+    def _split_components(cls, value):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("load_components")
+    @classmethod
+    def _known_components(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [c for c in value if c not in COMPONENTS]
+        if unknown:
+            raise ValueError(
+                f"load_components: unknown component(s) {unknown}; expected a subset of {list(COMPONENTS)}"
+            )
+        if not value:
+            raise ValueError(f"load_components is empty; expected a subset of {list(COMPONENTS)}")
+        return tuple(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if (self.data is None) == (self.mock is None):
+            raise ValueError("give exactly one data source: `data` (a dataset index folder) or `mock`")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out)
+
+
+def write_run_json(config: TrainConfig, manifests: dict, path: Path) -> None:
+    """`run.json`: the frozen config (without the node-specific `node_rank`, so every node writes the same bytes)
+    plus the input manifests. Written atomically."""
+    payload = {
+        "format_version": RUN_FORMAT_VERSION,
+        "config": config.model_dump(mode="json", exclude={"node_rank"}),
+        "manifests": manifests,
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_run_json(run_dir: str | Path) -> TrainConfig:
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; the launcher writes it before starting the workers")
+    payload = json.loads(path.read_text())
+    if payload.get("format_version") != RUN_FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {payload.get('format_version')}; expected {RUN_FORMAT_VERSION}")
+    return TrainConfig.model_validate(payload["config"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# runtime slices
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float | None
+    max_nonfinite_steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    kind: Literal["cosine", "linear", "constant"]
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    folder: Path
+    every: int
+    keep_last: int
+    resume: bool
+    init_from: Path | None
+    load_components: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    path: Path
+    ema_alpha: float
+    log_every: int
+    peak_flops: float | None
+
+
+def optim_config(c: TrainConfig) -> OptimConfig:
+    return OptimConfig(
+        lr=c.lr,
+        betas=(c.beta1, c.beta2),
+        eps=c.eps,
+        weight_decay=c.weight_decay,
+        grad_clip=c.grad_clip,
+        max_nonfinite_steps=c.max_nonfinite_steps,
+    )
+
+
+def schedule_config(c: TrainConfig, total_steps: int) -> ScheduleConfig:
+    return ScheduleConfig(
+        kind=c.schedule, warmup_steps=c.warmup_steps, total_steps=total_steps, min_lr_ratio=c.min_lr_ratio
+    )
+
+
+def checkpoint_config(c: TrainConfig) -> CheckpointConfig:
+    return CheckpointConfig(
+        folder=c.run_dir / "checkpoints",
+        every=c.checkpoint_every,
+        keep_last=c.keep_last,
+        resume=c.resume,
+        init_from=Path(c.init_from) if c.init_from else None,
+        load_components=c.load_components,
+    )
+
+
+def metrics_config(c: TrainConfig, peak_flops: float | None) -> MetricsConfig:
+    return MetricsConfig(
+        path=c.run_dir / "metrics.jsonl", ema_alpha=c.ema_alpha, log_every=c.log_every, peak_flops=peak_flops
+    )

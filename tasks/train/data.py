@@ -1,0 +1,119 @@
+"""What one rank trains on at each step: the plan's rows, read from the dataset and collated.
+
+The plan (`plan.npz`, see `sftflow.tasks.plan`) lists rows step-major, then micro-batch, then plan rank:
+row `(step * micro_batches_per_step + m) * num_ranks + r` holds `doc_ids[row_ptr[row]:row_ptr[row + 1]]`.
+
+The plan's `num_ranks` need not equal the world size: it must be a multiple of it, and each worker then trains the
+rows of `num_ranks / world_size` consecutive plan ranks as extra micro-batches. The loss is normalised by the step's
+global trained-token count either way, so a plan made for 2 ranks trains the same model on 1 rank (up to float
+summation order). This is what lets a 2-rank checkpoint resume on 1 rank and back, on the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
+
+PLAN_FILE = "plan.npz"
+
+
+@dataclass(frozen=True)
+class PlanArrays:
+    doc_ids: np.ndarray
+    row_ptr: np.ndarray
+    num_ranks: int
+    micro_batches_per_step: int
+    step_loss_tokens: np.ndarray
+    mode: str  # "packed" | "padded" | "iterative"
+    steps_per_epoch: int
+    path: Path
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_loss_tokens)
+
+    def rows(self, step: int, micro_batch: int, plan_rank: int) -> np.ndarray:
+        row = (step * self.micro_batches_per_step + micro_batch) * self.num_ranks + plan_rank
+        return self.doc_ids[self.row_ptr[row] : self.row_ptr[row + 1]]
+
+
+def load_plan(plan_dir: str | Path) -> PlanArrays:
+    path = Path(plan_dir)
+    if path.is_dir():
+        path = path / PLAN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no plan; run the plan stage first (sftflow plan)")
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    for key in ("doc_ids", "row_ptr", "num_ranks", "micro_batches_per_step", "step_loss_tokens"):
+        if key not in arrays:
+            raise ValueError(f"{path}: missing array {key!r}")
+    num_ranks, mbs = int(arrays["num_ranks"]), int(arrays["micro_batches_per_step"])
+    steps = len(arrays["step_loss_tokens"])
+    if len(arrays["row_ptr"]) != steps * mbs * num_ranks + 1:
+        raise ValueError(
+            f"{path}: row_ptr has {len(arrays['row_ptr'])} entries; expected steps*micro_batches*ranks+1 = "
+            f"{steps}*{mbs}*{num_ranks}+1"
+        )
+    mode = str(arrays["mode"]) if "mode" in arrays else "packed"
+    steps_per_epoch = int(arrays["steps_per_epoch"]) if "steps_per_epoch" in arrays else steps
+    return PlanArrays(
+        doc_ids=arrays["doc_ids"],
+        row_ptr=arrays["row_ptr"],
+        num_ranks=num_ranks,
+        micro_batches_per_step=mbs,
+        step_loss_tokens=arrays["step_loss_tokens"].astype(np.int64),
+        mode=mode,
+        steps_per_epoch=max(steps_per_epoch, 1),
+        path=path,
+    )
+
+
+def open_dataset(data: str | None, split: str, mock):
+    """The document source: a dataset index folder, or a mock (`MockConfig`)."""
+    if mock is not None:
+        from sftflow.tasks.train.mock import MockDataset
+
+        return MockDataset(mock)
+    from sftflow.tasks.reader import IndexedDataset
+
+    return IndexedDataset(data, split=split)
+
+
+def dataset_vocab_size(dataset) -> int | None:
+    for owner in (dataset, getattr(dataset, "config", None)):
+        value = getattr(owner, "vocab_size", None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+class RankBatches:
+    """The collated micro-batches of one rank for a step."""
+
+    def __init__(self, plan: PlanArrays, dataset, *, rank: int, world_size: int, pad_id: int = 0):
+        if plan.num_ranks % world_size != 0:
+            raise ValueError(
+                f"{plan.path}: the plan is for {plan.num_ranks} ranks, which the world size {world_size} does not "
+                "divide; re-plan for this world size or run with a divisor of it"
+            )
+        if plan.mode not in ("packed", "padded", "iterative"):
+            raise ValueError(f"{plan.path}: unknown plan mode {plan.mode!r}")
+        per_worker = plan.num_ranks // world_size
+        self.plan_ranks = range(rank * per_worker, (rank + 1) * per_worker)
+        self.plan = plan
+        self.dataset = dataset
+        self.packed = plan.mode != "padded"
+        self.fns = packed_collator(pad_id) if self.packed else padded_collator(pad_id)
+
+    def __call__(self, step: int) -> list[dict]:
+        batches = []
+        for m in range(self.plan.micro_batches_per_step):
+            for r in self.plan_ranks:
+                docs = [self.dataset[int(i)] for i in self.plan.rows(step, m, r)]
+                batches.append(collate(docs, self.fns))
+        return batches

@@ -1,0 +1,273 @@
+"""Launching training: write `run.json`, run `torchrun -m sftflow.tasks.train.worker RUN_DIR`, stream its output.
+
+`train(config)` is the plain function (the CLI calls it); `train_task` is the Prefect task around it. Call the task
+directly inside a flow, not with `.submit()`: the subprocess is supervised from the calling thread, which a thread-pool
+timeout could not interrupt.
+
+- Every output line of every worker goes to the Prefect run logger (or the `sftflow.train` logger outside a run).
+- The torchrun process tree runs in its own process group (session). On timeout, cancellation (SIGTERM/SIGINT to
+  this process) or any error, the whole group is killed: no orphan workers keep GPUs busy.
+- A non-zero exit raises `TrainingFailed`, so Prefect retries fire; a retry resumes from the run's `latest`
+  checkpoint (`task_run.run_count > 1` turns on `resume`).
+- During training a Prefect progress artifact follows `metrics.jsonl`; at the end a table artifact holds the metrics.
+
+Multi-node: run this same task on every node with the same config (a shared `out` folder on a shared filesystem,
+the same `rdzv_endpoint`/`rdzv_id`) and each node's `node_rank`; torchrun's c10d rendezvous forms one world.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.train.checkpoint import latest_checkpoint
+from sftflow.tasks.train.config import TrainConfig, write_run_json
+from sftflow.tasks.train.data import load_plan
+from sftflow.tasks.train.metrics import read_metrics
+
+WORKER_MODULE = "sftflow.tasks.train.worker"
+_KILL_GRACE_S = 10.0
+_PROGRESS_EVERY_S = 5.0
+
+
+class TrainingFailed(RuntimeError):
+    """torchrun exited non-zero (a worker crashed or was killed); retrying resumes from the latest checkpoint."""
+
+
+class TrainResult(BaseModel):
+    run_dir: str
+    steps: int
+    final_loss: float | None
+    trained_tokens: int
+    metrics_path: str
+    checkpoint: str | None
+    hf_dir: str | None
+
+
+def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
+    """`python -m torch.distributed.run ...`: standalone on one node, c10d rendezvous across several."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc}"]
+    if config.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={config.nnodes}",
+            f"--node-rank={config.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={config.rdzv_endpoint}",
+            f"--rdzv-id={config.rdzv_id}",
+        ]
+    return cmd + ["-m", WORKER_MODULE, str(run_dir)]
+
+
+def input_manifests(config: TrainConfig) -> dict:
+    """What the run was made from: the plan file's hash and arrays' sizes, the data index's manifest or mock config."""
+    plan = load_plan(config.plan)
+    manifests = {
+        "plan": {
+            "path": str(plan.path),
+            "sha256": sha256_file(plan.path),
+            "num_steps": plan.num_steps,
+            "num_ranks": plan.num_ranks,
+            "micro_batches_per_step": plan.micro_batches_per_step,
+            "mode": plan.mode,
+        }
+    }
+    if config.data is not None:
+        index_json = Path(config.data) / "index.json"
+        manifests["data"] = {
+            "path": config.data,
+            "index_sha256": sha256_file(index_json) if index_json.is_file() else None,
+        }
+    else:
+        manifests["data"] = {"mock": config.mock.model_dump(mode="json")}
+    return manifests
+
+
+def _logger():
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        logger = logging.getLogger("sftflow.train")
+        if not logger.hasHandlers():
+            logger.addHandler(logging.StreamHandler())
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        return logger
+
+
+def _in_prefect_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return TaskRunContext.get() is not None or FlowRunContext.get() is not None
+
+
+class _Progress:
+    """A Prefect progress artifact that follows metrics.jsonl (only inside a Prefect run)."""
+
+    def __init__(self, metrics_path: Path, total_steps: int, enabled: bool):
+        self.metrics_path, self.total_steps = metrics_path, max(total_steps, 1)
+        self.artifact_id = None
+        self.last = 0.0
+        if enabled:
+            from prefect.artifacts import create_progress_artifact
+
+            self.artifact_id = create_progress_artifact(0.0, key="train-progress", description="training steps done")
+
+    def tick(self, force: bool = False) -> None:
+        if self.artifact_id is None or (not force and time.monotonic() - self.last < _PROGRESS_EVERY_S):
+            return
+        from prefect.artifacts import update_progress_artifact
+
+        self.last = time.monotonic()
+        records = read_metrics(self.metrics_path)
+        step = records[-1]["step"] if records else 0
+        update_progress_artifact(self.artifact_id, progress=min(100.0, 100.0 * step / self.total_steps))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the whole process group, then SIGKILL whatever is left after a grace period."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+class _Cancelled(BaseException):
+    """SIGTERM reached the launcher (a cancelled flow run)."""
+
+
+def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, on_tick=lambda: None) -> int:
+    """Run `cmd` in its own session; call `on_line` for every output line (from this thread). Returns the exit code.
+    Kills the process group on timeout, cancellation or any exception, then re-raises."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+
+        def on_sigterm(signum, frame):
+            raise _Cancelled()
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"training exceeded timeout_s={timeout_s}; killed the torchrun process group")
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                on_tick()
+                continue
+            if line is None:
+                break
+            on_line(line)
+            on_tick()
+        return proc.wait()
+    finally:
+        _kill_group(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _worker_env(config: TrainConfig) -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.nproc)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
+    """Run (or resume) training into `config.out`; blocks until torchrun exits. Raises `TrainingFailed` on failure."""
+    resume = config.resume if resume is None else resume
+    run_dir = config.run_dir
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is not None and not resume:
+        raise ValueError(
+            f"{run_dir} already holds a training run (latest checkpoint {latest.name}); pass resume=True "
+            "(--resume) to continue it, or choose a new out folder"
+        )
+    config = config.model_copy(update={"resume": resume})
+    write_run_json(config, input_manifests(config), run_dir / "run.json")
+
+    logger = _logger()
+    cmd = torchrun_command(config, run_dir)
+    logger.info("launching: %s", " ".join(cmd))
+    plan_steps = load_plan(config.plan).num_steps
+    total = plan_steps if config.max_steps is None else min(config.max_steps, plan_steps)
+    progress = _Progress(run_dir / "metrics.jsonl", total, enabled=_in_prefect_run())
+    code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
+    if code != 0:
+        raise TrainingFailed(f"torchrun exited with code {code} (run dir {run_dir}); see the log above")
+    progress.tick(force=True)
+    return _result(config, run_dir)
+
+
+def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    hf = run_dir / "hf"
+    if records and _in_prefect_run():
+        from prefect.artifacts import create_table_artifact
+
+        keep = ("step", "loss", "grad_norm", "lr", "trained_tokens", "tokens_per_s", "mfu", "skipped")
+        stride = max(1, len(records) // 200)
+        rows = [{k: r.get(k) for k in keep} for r in records[::stride]]
+        create_table_artifact(rows, key="train-metrics", description=f"training metrics of {run_dir}")
+    return TrainResult(
+        run_dir=str(run_dir),
+        steps=records[-1]["step"] if records else 0,
+        final_loss=losses[-1] if losses else None,
+        trained_tokens=sum(r["trained_tokens"] for r in records),
+        metrics_path=str(run_dir / "metrics.jsonl"),
+        checkpoint=str(latest) if latest else None,
+        hf_dir=str(hf) if (hf / "config.json").is_file() else None,
+    )
+
+
+def _train_task_fn(config: TrainConfig) -> TrainResult:
+    from prefect.runtime import task_run
+
+    # A retry of this task run continues the run its failed attempt started.
+    return train(config, resume=config.resume or task_run.run_count > 1)
+
+
+def make_train_task(retries: int = 2, retry_delay_seconds: float = 10):
+    from prefect import task
+
+    return task(name="train", retries=retries, retry_delay_seconds=retry_delay_seconds)(_train_task_fn)
+
+
+train_task = make_train_task()

@@ -1,0 +1,162 @@
+"""Per-step metrics: `metrics.jsonl` (rank 0, one JSON object per optimizer step) and a rank-0 progress line.
+
+Step time and throughput are smoothed with exponential moving averages started at zero and bias-corrected, as Adam
+does for its moments: after n updates `ema_n = alpha * ema_{n-1} + (1 - alpha) * x_n`, reported as
+`ema_n / (1 - alpha**n)`, so the first steps are not dragged towards zero. The ETA is the smoothed step time times the
+steps left; the time per epoch is the smoothed step time times the steps per epoch.
+
+MFU estimate: model FLOPs per step `6 * N * tokens + 6 * layers * width * sum(doc_len**2)` (dense matmuls forward and
+backward, plus causal attention within each document), over the step time times the peak FLOP/s of all devices.
+`N` excludes the input embedding. The peak comes from config or a table of known GPUs; on CPU MFU is not reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from sftflow.tasks.train.config import MetricsConfig
+
+# Dense bf16 peak FLOP/s per device, no sparsity.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+def default_peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
+
+
+class BiasCorrectedEMA:
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.value = 0.0
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        self.value = self.alpha * self.value + (1 - self.alpha) * x
+        self.count += 1
+        return self.get()
+
+    def get(self) -> float:
+        if self.count == 0:
+            return math.nan
+        return self.value / (1 - self.alpha**self.count)
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Rank 0 appends one line per step; other ranks only keep the averages in step."""
+
+    def __init__(
+        self,
+        config: MetricsConfig,
+        *,
+        is_main: bool,
+        total_steps: int,
+        steps_per_epoch: int,
+        num_devices: int,
+        flops_per_token: float,
+        attn_flops_per_sq_token: float,
+        resume_step: int,
+    ):
+        self.config = config
+        self.is_main = is_main
+        self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch
+        self.num_devices = num_devices
+        self.flops_per_token = flops_per_token
+        self.attn_flops_per_sq_token = attn_flops_per_sq_token
+        self.step_time = BiasCorrectedEMA(config.ema_alpha)
+        self.throughput = BiasCorrectedEMA(config.ema_alpha)
+        if is_main:
+            self._truncate_after(resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines a crashed attempt wrote after the checkpoint we resume from, so steps appear once."""
+        path = self.config.path
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def log(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        loss: float | None,
+        grad_norm: float | None,
+        lr: float,
+        trained_tokens: int,
+        tokens: int,
+        sum_sq_doc_lengths: float,
+        seconds: float,
+        skipped: str | None = None,
+    ) -> dict:
+        ema_step_time = self.step_time.update(seconds)
+        tokens_per_s = tokens / seconds if seconds > 0 else math.nan
+        ema_tokens_per_s = self.throughput.update(tokens_per_s)
+        flops = self.flops_per_token * tokens + self.attn_flops_per_sq_token * sum_sq_doc_lengths
+        peak = self.config.peak_flops
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "trained_tokens": trained_tokens,
+            "tokens": tokens,
+            "tokens_per_s": tokens_per_s,
+            "ema_tokens_per_s": ema_tokens_per_s,
+            "step_time_s": seconds,
+            "ema_step_time_s": ema_step_time,
+            "mfu": flops / (seconds * peak * self.num_devices) if peak and seconds > 0 else None,
+            "epoch_time_s": ema_step_time * self.steps_per_epoch,
+            "eta_s": ema_step_time * (self.total_steps - step),
+            "skipped": skipped,
+        }
+        if self.is_main:
+            with self.config.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if step % self.config.log_every == 0 or step == self.total_steps or skipped:
+                print(self.progress_line(record), file=sys.stdout, flush=True)
+        return record
+
+    def progress_line(self, r: dict, width: int = 24) -> str:
+        done = round(width * r["step"] / max(self.total_steps, 1))
+        bar = "#" * done + "-" * (width - done)
+        loss = "  skipped" if r["loss"] is None else f"{r['loss']:9.4f}"
+        extra = f" ({r['skipped']})" if r["skipped"] else ""
+        mfu = f" mfu {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+        return (
+            f"[train] |{bar}| step {r['step']}/{self.total_steps} loss{loss} lr {r['lr']:.3g} "
+            f"tok/s {r['ema_tokens_per_s']:.0f}{mfu} eta {_clock(r['eta_s'])}{extra}"
+        )
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                break
+    return records

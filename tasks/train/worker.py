@@ -1,0 +1,229 @@
+"""The training worker: `torchrun ... -m sftflow.tasks.train.worker RUN_DIR`.
+
+Reads `RUN_DIR/run.json` (written by `sftflow.tasks.train.launch`), trains the plan's steps with FSDP2, writes
+`metrics.jsonl`, DCP checkpoints and the Hugging Face export. Same code on CPU (gloo, fp32) and CUDA (NCCL, bf16).
+
+Loss normalisation. Step `s` of the plan trains `step_loss_tokens[s]` targets over all its micro-batches and ranks,
+known before training. Each micro-batch backpropagates `sum of its token losses / step_loss_tokens[s]`, and FSDP
+*sums* gradients over ranks (divide factor 1), so the update equals one big batch holding the whole step, whatever
+the number of ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+
+from sftflow.tasks.train import config as cfg
+from sftflow.tasks.train.checkpoint import (
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    Progress,
+    SchedulerState,
+    full_model_state_dict,
+)
+from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset
+from sftflow.tasks.train.export import export_hf, tokenizer_source
+from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
+from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
+from sftflow.tasks.train.model import attention_width, build_model, count_params, model_batch
+
+log = logging.getLogger("sftflow.train")
+
+
+def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, foreach=True)
+
+
+def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then cosine/linear/constant."""
+    if step < c.warmup_steps:
+        return (step + 1) / c.warmup_steps
+    if c.kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+    if c.kind == "cosine":
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1 - c.min_lr_ratio) * progress
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
+    """Global gradient L2 norm (over all shards), clipped in place when `max_norm` is set."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm is not None and math.isfinite(norm.item()):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.item()
+
+
+def save_full_grads(model: torch.nn.Module, path: Path, env: DistEnv) -> None:
+    """Debug: gather every gradient in full and write them (rank 0) as safetensors, keyed by parameter name."""
+    from safetensors.torch import save_file
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = g.detach().float().cpu().contiguous()
+    if env.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(grads, str(path))
+
+
+def train(run_dir: Path) -> None:
+    config = cfg.read_run_json(run_dir)
+    env = init_distributed(config.device)
+    if config.num_threads is not None and env.device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+
+    plan = load_plan(config.plan)
+    dataset = open_dataset(config.data, config.data_split, config.mock)
+    tokenizer_path = tokenizer_source(config.model, config.tokenizer)
+    vocab_size, pad_id = dataset_vocab_size(dataset), 0
+    if tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        vocab_size = max(vocab_size or 0, len(tokenizer))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id)
+    total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
+
+    lm = build_model(config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides)
+    model = shard_model(lm, env, compute_dtype(env, config.dtype))
+    optim_c = cfg.optim_config(config)
+    optimizer = build_optimizer(model, optim_c)
+    schedule_c = cfg.schedule_config(config, total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
+    progress = Progress()
+    states = {
+        "model": ModelState(lm),
+        "optimizer": OptimizerState(lm, optimizer),
+        "lr_scheduler": SchedulerState(scheduler),
+        "progress": progress,
+    }
+    checkpointer = Checkpointer(cfg.checkpoint_config(config), states, is_main=env.is_main)
+    how = checkpointer.restore()
+    n_params, n_dense = count_params(lm)
+    metrics = MetricsLogger(
+        cfg.metrics_config(config, default_peak_flops(env.device, config.peak_tflops)),
+        is_main=env.is_main,
+        total_steps=total_steps,
+        steps_per_epoch=plan.steps_per_epoch,
+        num_devices=env.world_size,
+        flops_per_token=6 * n_dense,
+        attn_flops_per_sq_token=6 * lm.config.num_hidden_layers * attention_width(lm.config),
+        resume_step=progress.step,
+    )
+    if env.is_main:
+        print(
+            f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
+            f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
+            f"({plan.mode}), training steps {progress.step}..{total_steps}",
+            flush=True,
+        )
+
+    nonfinite_in_a_row = 0
+    for step in range(progress.step, total_steps):
+        t0 = time.perf_counter()
+        step_loss_tokens = int(plan.step_loss_tokens[step])
+        skipped = None
+        loss = grad_norm = None
+        local = torch.zeros(4, dtype=torch.float64)  # loss sum, trained targets, tokens, sum of doc_len**2
+        if step_loss_tokens == 0:
+            skipped = "no trained tokens in this step"  # every rank reads the same plan, so all skip together
+        else:
+            for batch in batches(step):
+                loss_sum = model(**model_batch(batch, env.device))
+                (loss_sum / step_loss_tokens).backward()
+                lengths = batch["doc_lengths"].double()
+                local += torch.stack(
+                    [
+                        loss_sum.detach().double().cpu(),
+                        torch.tensor(float(batch["num_loss_tokens"])),
+                        lengths.sum(),
+                        (lengths**2).sum(),
+                    ]
+                )
+            if step + 1 in config.save_grads_at_steps:
+                save_full_grads(lm, Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors", env)
+            grad_norm = clip_gradients(model, optim_c.grad_clip)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+                nonfinite_in_a_row = 0
+            else:
+                skipped = f"non-finite gradient norm {grad_norm}"
+                nonfinite_in_a_row += 1
+                if nonfinite_in_a_row > optim_c.max_nonfinite_steps:
+                    raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
+            optimizer.zero_grad(set_to_none=True)
+        totals = local.to(env.device)
+        dist.all_reduce(totals)
+        loss_sum, targets, tokens, sum_sq = totals.tolist()
+        if step_loss_tokens and int(targets) != step_loss_tokens:
+            raise ValueError(
+                f"{plan.path}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
+                f"{int(targets)}; the plan was made for different data"
+            )
+        if step_loss_tokens:
+            loss = loss_sum / step_loss_tokens
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        progress.step = step + 1
+        progress.epoch = step // plan.steps_per_epoch
+        progress.tokens_seen += int(tokens)
+        progress.trained_tokens_seen += step_loss_tokens
+        metrics.log(
+            step=progress.step,
+            epoch=progress.epoch,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            trained_tokens=step_loss_tokens,
+            tokens=int(tokens),
+            sum_sq_doc_lengths=sum_sq,
+            seconds=time.perf_counter() - t0,
+            skipped=skipped,
+        )
+        if checkpointer.due(progress.step):
+            checkpointer.save(progress.step)
+
+    if checkpointer.last_saved_step != progress.step:
+        checkpointer.save(progress.step)
+    if config.export:
+        state_dict = full_model_state_dict(lm)
+        if env.is_main:
+            export_hf(state_dict, lm.config, Path(run_dir) / "hf", tokenizer=tokenizer_path, dtype=config.export_dtype)
+            print(f"[train] exported {Path(run_dir) / 'hf'}", flush=True)
+        dist.barrier()
+    if env.device.type == "cuda" and env.is_main:
+        print(f"[train] peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+    dist.destroy_process_group()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: torchrun ... -m sftflow.tasks.train.worker RUN_DIR")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    train(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    main()
