@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 WINDOW_ROWS = 32  # rows per LPT window: larger fills rows better, smaller runs fewer lockstep iterations
-OVER_SUPPLY = 1.05  # a window holds this many rows' worth of tokens; the excess carries to the next round
+OVER_SUPPLY = 1.25  # a window holds this many rows' worth of tokens; the excess carries to the next round
 
 
 def _lpt_windows(lengths: np.ndarray, window: np.ndarray, num_windows: int, rows: int, capacity: int) -> np.ndarray:

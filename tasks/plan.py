@@ -7,7 +7,7 @@ at step k is just reading from row `k * M * num_ranks`: nothing in the plan depe
 Packing (mode `packed`), per epoch, from a permutation seeded by `(seed, epoch)`:
 
 1. **Rows.** LPT with a capacity check over windows of the permuted stream (`sftflow.tasks.packing.lpt_pack_rows`):
-   rows come out ~99.7% full, documents that do not fit carry to the next round.
+   rows come out ~99.8% full, documents that do not fit carry to the next round.
 2. **Micro-batches.** Rows are sorted by cost `a·L + b·L²` (summed over the row's documents) and cut into groups of
    `num_ranks` neighbours, so the ranks of one micro-batch get rows of near-equal cost *and* near-equal tokens
    (the rows are full). The order of micro-batches is then shuffled, and ranks are shuffled within a micro-batch.
