@@ -1,0 +1,204 @@
+"""`sftflow` command line: each command runs one flow (or the whole `sft` flow) in-process.
+
+User errors (bad input, bad config) end with a one-line message naming the file, record and field, and exit code 2;
+no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Supervised fine-tuning as a Prefect pipeline.")
+
+
+def _quiet_defaults() -> None:
+    # Offline by default: no analytics, no hub look-ups unless the user asks for a hub model.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _user_errors(fn):
+    """Turn bad input into one located line instead of a traceback."""
+    import functools
+
+    from pydantic import ValidationError
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            _fail(f"config field '{where}': {first['msg']}")
+        except (ValueError, FileNotFoundError) as err:
+            _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+    return wrapper
+
+
+def _load_yaml(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    import yaml
+
+    if not path.is_file():
+        raise ValueError(f"{path}: config file not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: config must be a mapping at the top level")
+    return data
+
+
+def _set(section: dict, key: str, value: Any) -> None:
+    if value is not None:
+        section[key] = value
+
+
+@app.command()
+@_user_errors
+def data(
+    source: Annotated[list[str] | None, typer.Option("--source", help="JSONL/Parquet file or datasets folder")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer folder or hub id")] = None,
+    template: Annotated[str | None, typer.Option(help="built-in name (chatml, llama3) or .jinja file")] = None,
+    format: Annotated[
+        str | None, typer.Option(help="auto|messages|sharegpt|prompt_completion|alpaca|text_spans")
+    ] = None,
+    mask_policy: Annotated[str | None, typer.Option(help="generation|roles")] = None,
+    bos: Annotated[str | None, typer.Option(help="auto|never")] = None,
+    eos: Annotated[str | None, typer.Option(help="auto|always|never")] = None,
+    max_length: Annotated[int | None, typer.Option(help="longest document in tokens")] = None,
+    length_policy: Annotated[str | None, typer.Option(help="drop|truncate")] = None,
+    on_bad_record: Annotated[str | None, typer.Option(help="error|reject")] = None,
+    eval_fraction: Annotated[float | None, typer.Option(help="share of documents held out for evaluation")] = None,
+    task_runner: Annotated[str | None, typer.Option(help="threads|processes|dask")] = None,
+    workers: Annotated[int | None, typer.Option(help="task-runner workers")] = None,
+    force: Annotated[bool, typer.Option(help="recompute every stage, ignoring the cache")] = False,
+    config: Annotated[Path | None, typer.Option(help="YAML file with the same fields (DataConfig)")] = None,
+    out: Annotated[Path, typer.Option(help="output folder: shards, index, manifests")] = Path("sftflow-out/data"),
+) -> None:
+    """Render, tokenize and pack conversations into pbin shards plus a dataset index (the `sft-data` flow)."""
+    _quiet_defaults()
+    from sftflow.flows.data import DataConfig, run_data
+
+    raw = _load_yaml(config)
+    raw.setdefault("render", {})
+    raw.setdefault("spans", {})
+    raw.setdefault("index", {})
+    if source:
+        raw["sources"] = source
+    _set(raw, "tokenizer", tokenizer)
+    _set(raw, "task_runner", task_runner)
+    _set(raw, "workers", workers)
+    for key, value in dict(
+        template=template, format=format, mask_policy=mask_policy, on_bad_record=on_bad_record
+    ).items():
+        _set(raw["render"], key, value)
+    for key, value in dict(bos=bos, eos=eos, max_length=max_length, length_policy=length_policy).items():
+        _set(raw["spans"], key, value)
+    _set(raw["index"], "eval_fraction", eval_fraction)
+    if max_length is not None:
+        raw["index"].setdefault("max_length", max_length)
+    if "sources" not in raw or "tokenizer" not in raw:
+        raise ValueError("--source and --tokenizer are required (or set `sources` and `tokenizer` in --config)")
+    result = run_data(DataConfig.model_validate(raw), str(out), force=force)
+    typer.echo(json.dumps(result.summary(), indent=2))
+
+
+@app.command()
+@_user_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(help="a .pbin file, or a folder written by `sftflow data`")],
+    num_docs: Annotated[int, typer.Option("--num-docs", "-n", help="documents to show")] = 3,
+    format: Annotated[str, typer.Option(help="text|jsonl")] = "text",
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer to decode with (default: the data's)")] = None,
+) -> None:
+    """Show documents with trained tokens highlighted, and overall statistics."""
+    from sftflow.flows.inspect import inspect_path
+
+    inspect_path(path, num_docs=num_docs, fmt=format, tokenizer=tokenizer, echo=typer.echo)
+
+
+@app.command()
+@_user_errors
+def plan(
+    data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data`")] = None,
+    lengths: Annotated[Path | None, typer.Option(help=".npy of document lengths (capacity planning)")] = None,
+    num_ranks: Annotated[int, typer.Option(help="data-parallel ranks")] = 1,
+    tokens_per_rank: Annotated[int, typer.Option(help="capacity of one packed row")] = 4096,
+    micro_batches_per_step: Annotated[int | None, typer.Option(help="micro-batches per optimizer step")] = None,
+    target_tokens_per_step: Annotated[int | None, typer.Option(help="trainable tokens per step (instead)")] = None,
+    epochs: Annotated[int, typer.Option()] = 1,
+    seed: Annotated[int, typer.Option()] = 0,
+    mode: Annotated[str, typer.Option(help="packed|padded|iterative")] = "packed",
+    drop_last: Annotated[bool, typer.Option(help="drop the final partial step")] = False,
+    out: Annotated[Path, typer.Option(help="output folder for plan.npz")] = Path("sftflow-out/plan"),
+    stats: Annotated[bool, typer.Option("--stats", help="print the plan statistics")] = False,
+    stats_json: Annotated[bool, typer.Option("--stats-json", help="print one JSON object of statistics")] = False,
+) -> None:
+    """Plan every step × micro-batch × rank up front (the `sft-plan` flow, or plain planning with --lengths)."""
+    _quiet_defaults()
+    import numpy as np
+
+    from sftflow.tasks.plan import PlanConfig, save_plan
+    from sftflow.tasks.plan import plan as make_plan
+
+    config = PlanConfig(
+        num_ranks=num_ranks,
+        tokens_per_rank=tokens_per_rank,
+        micro_batches_per_step=micro_batches_per_step,
+        target_tokens_per_step=target_tokens_per_step,
+        epochs=epochs,
+        seed=seed,
+        mode=mode,
+        drop_last=drop_last,
+    )
+    if (data is None) == (lengths is None):
+        raise ValueError("give exactly one of --data DIR or --lengths FILE.npy")
+    if lengths is not None:
+        doc_lengths = np.load(lengths, allow_pickle=False)
+        if doc_lengths.ndim != 1:
+            raise ValueError(f"{lengths}: expected a 1-D array of lengths, got shape {doc_lengths.shape}")
+        # Without loss spans, every token but each document's first is a trained target.
+        arrays, plan_stats = make_plan(doc_lengths, np.maximum(doc_lengths - 1, 0), config)
+        out.mkdir(parents=True, exist_ok=True)
+        save_plan(arrays, out / "plan.npz")
+        (out / "stats.json").write_text(plan_stats.model_dump_json(indent=2))
+    else:
+        from sftflow.flows.plan import run_plan
+
+        manifest = run_plan(data_dir=str(data), config=config, work_dir=str(out))
+        plan_stats = manifest.stats
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(manifest.model_dump_json(indent=2))
+    summary = {
+        "efficiency": plan_stats.efficiency,
+        "token_imbalance": plan_stats.token_imbalance,
+        "cost_imbalance": plan_stats.cost_imbalance,
+        "num_steps": plan_stats.num_steps,
+        "num_rows": plan_stats.num_rows,
+        "planning_seconds": plan_stats.planning_seconds,
+        "dropped_docs": plan_stats.dropped_docs,
+    }
+    if stats_json:
+        typer.echo(json.dumps(summary))
+    elif stats:
+        typer.echo(plan_stats.model_dump_json(indent=2))
+    else:
+        typer.echo(f"plan: {plan_stats.num_steps} steps, efficiency {plan_stats.efficiency:.2%} → {out}")
+
+
+def main() -> None:  # pragma: no cover
+    app(sys.argv[1:])
