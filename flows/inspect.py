@@ -50,7 +50,8 @@ def _histogram(lengths: np.ndarray, bins: int = 8) -> list[str]:
     edges = np.unique(np.geomspace(max(1, lengths.min()), lengths.max() + 1, bins + 1).astype(np.int64))
     counts, edges = np.histogram(lengths, bins=edges)
     top = max(1, counts.max())
-    return [f"  [{lo:>6}, {hi:>6}) {c:>8} {'#' * int(40 * c / top)}" for lo, hi, c in zip(edges, edges[1:], counts)]
+    rows = zip(edges[:-1], edges[1:], counts, strict=True)
+    return [f"  [{lo:>6}, {hi:>6}) {c:>8} {'#' * int(40 * c / top)}" for lo, hi, c in rows]
 
 
 def inspect_path(path: Path, num_docs: int, fmt: str, tokenizer: str | None, echo: Callable[[str], None]) -> None:
@@ -79,9 +80,8 @@ def inspect_path(path: Path, num_docs: int, fmt: str, tokenizer: str | None, ech
     trained = sum(int(np.asarray(f.loss_token_counts).sum()) for f in files)
     total = int(lengths.sum())
     echo("")
-    echo(
-        f"shards: {len(files)}  documents: {len(lengths)}  tokens: {total}  trained fraction: {trained / max(1, total):.3f}"
-    )
+    fraction = trained / max(1, total)
+    echo(f"shards: {len(files)}  documents: {len(lengths)}  tokens: {total}  trained fraction: {fraction:.3f}")
     if len(lengths):
         echo(f"length: min {lengths.min()}  median {int(np.median(lengths))}  max {lengths.max()}")
     echo("length histogram:")
