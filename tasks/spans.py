@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from itertools import chain
 from pathlib import Path
 from typing import Literal
 
@@ -119,8 +120,11 @@ def _tokenize(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tuple[
         batch = docs[first : first + config.batch_size]
         encodings = backend.encode_batch([doc.text for doc in batch], add_special_tokens=False)
         for doc, encoding in zip(batch, encodings, strict=True):
-            ids = np.asarray(encoding.ids, dtype=np.int64)
-            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            token_ids = encoding.ids
+            ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+            # fromiter over the flattened pairs is ~2x faster than np.asarray on a list of tuples.
+            flat = chain.from_iterable(encoding.offsets)
+            offsets = np.fromiter(flat, dtype=np.int64, count=2 * len(token_ids)).reshape(-1, 2)
             mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
             if bos_id is not None and (len(ids) == 0 or ids[0] != bos_id):
                 ids = np.concatenate(([bos_id], ids))
