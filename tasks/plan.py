@@ -131,6 +131,7 @@ class PlanArrays:
     epoch_of_step: np.ndarray  # int64 (steps,)
     dropped_doc_ids: np.ndarray  # int64: documents of dropped final steps (drop_last), all epochs
     num_ranks: int
+    steps_per_epoch: int  # steps of epoch 0 (later epochs may differ by a step or so; `epoch_of_step` is exact)
     micro_batches_per_step: int
     tokens_per_rank: int
     mode: str
@@ -301,6 +302,7 @@ def plan(lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig)
         epoch_of_step=epoch_of_step,
         dropped_doc_ids=np.concatenate(dropped_parts).astype(np.int64),
         num_ranks=n,
+        steps_per_epoch=int(steps_per_epoch[0]),
         micro_batches_per_step=m,
         tokens_per_rank=config.tokens_per_rank,
         mode=config.mode,
@@ -376,7 +378,7 @@ def load_plan(path: str | Path) -> PlanArrays:
             if f.name not in data:
                 raise ValueError(f"{path}: plan is missing the array {f.name!r}")
             values[f.name] = data[f.name]
-    for name in ("num_ranks", "micro_batches_per_step", "tokens_per_rank"):
+    for name in ("num_ranks", "steps_per_epoch", "micro_batches_per_step", "tokens_per_rank"):
         values[name] = int(values[name])
     values["mode"] = str(values["mode"])
     return PlanArrays(**values)

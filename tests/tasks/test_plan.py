@@ -104,7 +104,7 @@ def test_save_load_roundtrip(tmp_path):
         assert data["doc_ids"].dtype == np.int64 and data["row_ptr"].dtype == np.int64
     for name in ("doc_ids", "row_ptr", "step_loss_tokens", "epoch_of_step", "row_max_seqlen"):
         np.testing.assert_array_equal(getattr(loaded, name), getattr(arrays, name))
-    assert (loaded.num_ranks, loaded.mode) == (3, "padded")
+    assert (loaded.num_ranks, loaded.mode, loaded.steps_per_epoch) == (3, "padded", arrays.num_steps)
 
 
 def test_resume_from_step_k_needs_nothing_before_k():
