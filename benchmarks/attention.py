@@ -143,7 +143,7 @@ def main() -> None:
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     scale = D**-0.5
-    fwd_grid = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)]
+    fwd_grid = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 3), (64, 64, 8, 3)]
     best_fwd = None
     for bm, bn, w, s in fwd_grid:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
@@ -159,8 +159,8 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
             continue
         print(f"sweep D={D} fwd {cfg}: {ms:.3f} ms {fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         best_fwd = min(best_fwd or (ms, cfg), (ms, cfg), key=lambda x: x[0])
-    dkdv_grid = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 2)]
-    dq_grid = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3)]
+    dkdv_grid = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 3), (32, 32, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3)]
+    dq_grid = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
     fwd_cfg = best_fwd[1]
     for (a, b, c, d), (e, f, g_, h) in itertools.product(dkdv_grid, dq_grid):
         bwd = {

@@ -61,8 +61,11 @@ def main() -> None:
     parser.add_argument("--V", type=int, default=128256)
     parser.add_argument("--masks", type=float, nargs="+", default=[0.0, 0.5, 0.9])
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    parser.add_argument("--kernel-sweep", action="store_true", help="time the CE kernel's block shapes on a chunk")
     args = parser.parse_args()
     T, D, V = args.T, args.D, args.V
+    if args.kernel_sweep:
+        kernel_sweep(V)
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     weight = (torch.randn(V, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
@@ -130,6 +133,21 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n\n")
+
+
+def kernel_sweep(V: int, rows: int = 512) -> None:
+    """The softmax/gradient step alone on one chunk of logits: reads the chunk twice and writes it once."""
+    from sftflow.kernels import cross_entropy_triton as ct
+
+    logits = torch.randn(rows, V, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, V, (rows,), device="cuda")
+    saved = ct.BLOCK_V_MAX, ct.NUM_WARPS
+    for block_v, warps in [(2048, 4), (4096, 8), (4096, 16), (8192, 16), (16384, 16), (16384, 32), (32768, 32)]:
+        ct.BLOCK_V_MAX, ct.NUM_WARPS = block_v, warps
+        ms = do_bench(lambda: ct.ce_loss_and_grad_(logits, target), warmup=50, rep=300, return_mode="median")
+        gbps = 3 * logits.numel() * 2 / ms / 1e6
+        print(f"kernel sweep BLOCK_V={block_v} warps={warps}: {ms * 1e3:.0f} us, {gbps:.0f} GB/s")
+    ct.BLOCK_V_MAX, ct.NUM_WARPS = saved
 
 
 if __name__ == "__main__":

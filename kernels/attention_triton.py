@@ -27,17 +27,17 @@ LOG2E = 1.4426950408889634
 # Block shapes per head dim, from the H200 sweep in benchmarks/attention.py (see benchmarks/RESULTS.md). The backward
 # runs two kernels: dK/dV (a program per key block) and dQ (a program per query block), each with its own shape.
 FWD_CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    64: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 BWD_CONFIGS = {
     64: {
-        "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
     },
     128: {
-        "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     },
 }
 SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)  # the CPU interpreter and odd head dims
@@ -78,6 +78,7 @@ def _fwd_kernel(
     start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
     lo = tl.load(seq_start_ptr + m0)
     hi = tl.minimum(m0 + BLOCK_M, T)
+    start_last = tl.load(seq_start_ptr + hi - 1)  # the largest start among the block's rows
 
     q = tl.load(
         q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
@@ -101,8 +102,9 @@ def _fwd_kernel(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):  # not a block fully inside one doc
+            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -159,6 +161,7 @@ def _bwd_dq_kernel(
     start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
     lo = tl.load(seq_start_ptr + m0)
     hi = tl.minimum(m0 + BLOCK_M, T)
+    start_last = tl.load(seq_start_ptr + hi - 1)  # the largest start among the block's rows
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
     do = tl.load(do_ptr + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
@@ -179,8 +182,10 @@ def _bwd_dq_kernel(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(s - lse[:, None])
+        if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):
+            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
+            p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -253,8 +258,11 @@ def _bwd_dkdv_kernel(
             lse = tl.load(lse_ptr + h * T + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + h * T + offs_m, mask=row_ok, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-            visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
-            p_t = tl.where(visible, tl.exp2(s_t - lse[None, :]), 0.0)
+            p_t = tl.exp2(s_t - lse[None, :])
+            start_last = tl.load(seq_start_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)
+            if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):
+                visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
+                p_t = tl.where(visible, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -269,6 +277,30 @@ def _bwd_dkdv_kernel(
         dv.to(dv_ptr.dtype.element_ty),
         mask=kd_mask,
     )
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    o_ptr,
+    do_ptr,
+    delta_ptr,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    T,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32: one read of o and dO."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(o_ptr + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(delta_ptr + h * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < T)
 
 
 def _config(table: dict, D: int, device: torch.device, override: dict | None, part: str | None = None) -> dict:
@@ -336,11 +368,15 @@ class _VarlenAttention(torch.autograd.Function):
         T, H, D = q.shape
         K = k.shape[1]
         do = do.contiguous() if do.stride(-1) != 1 else do
-        delta = (o.float() * do.float()).sum(-1).T.contiguous()  # (H, T): rowsum(dO * O)
+        delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
+        block_d = max(16, triton.next_power_of_2(D))
+        _bwd_delta_kernel[(triton.cdiv(T, 64), H)](
+            o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
+        )
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         cfg_kv = _config(BWD_CONFIGS, D, q.device, ctx.bwd_config, "dkdv")
         cfg_q = _config(BWD_CONFIGS, D, q.device, ctx.bwd_config, "dq")
-        common = dict(GROUP=H // K, BLOCK_D=max(16, triton.next_power_of_2(D)), PRECISION=_precision(q.dtype))
+        common = dict(GROUP=H // K, BLOCK_D=block_d, PRECISION=_precision(q.dtype))
         strides_in = (
             q.stride(0),
             q.stride(1),

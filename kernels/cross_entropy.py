@@ -116,6 +116,7 @@ def _loss_and_grads(
             grad_hidden.index_copy_(0, rows_C, logits_CV @ weight_VD)
         if grad_weight is not None:
             grad_weight.addmm_(logits_CV.T, h_CD)
+        del logits_CV, h_CD  # free this chunk's logits before the next chunk's matmul allocates its own
     return loss, grad_hidden, grad_weight
 
 
