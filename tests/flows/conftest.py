@@ -1,0 +1,53 @@
+"""Flow tests run on Prefect's real engine: one session-scoped test harness (temporary API database) with results in a
+temporary folder, since the harness does not isolate results."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_harness(tmp_path_factory):
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    results = tmp_path_factory.mktemp("prefect-results")
+    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results)}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+def _stage(run) -> str:
+    # task_key looks like "render_task-<hash>"; the stage is the task function's name without "_task".
+    return run.task_key.split("-")[0].removesuffix("_task")
+
+
+def task_states(flow_state) -> dict[str, list[str]]:
+    """Final state names of every task run of a finished flow run, keyed by task name (`render`, `spans`, ...)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    states: dict[str, list[str]] = defaultdict(list)
+    for run in runs:
+        states[_stage(run)].append(run.state.name)
+    return dict(states)
+
+
+def run_counts(flow_state) -> dict[str, list[int]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    counts: dict[str, list[int]] = defaultdict(list)
+    for run in runs:
+        counts[_stage(run)].append(run.run_count)
+    return dict(counts)

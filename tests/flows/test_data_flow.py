@@ -1,0 +1,141 @@
+"""`sft-data` on Prefect's real engine: caching across runs, precise invalidation, retries, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sftflow.flows.data import DataConfig, run_data, sft_data
+from sftflow.tasks.demo import write_demo
+from sftflow.tasks.tiny import builtin_chatml_template
+from tests.flows.conftest import run_counts, task_states
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict[str, Path]:
+    return write_demo(tmp_path_factory.mktemp("demo"), n=120)
+
+
+def _config(demo, template: Path, **extra) -> DataConfig:
+    return DataConfig(
+        sources=[str(demo["data"])], tokenizer=str(demo["tokenizer"]), render={"template": str(template)}, **extra
+    )
+
+
+def _run(config: DataConfig, work_dir: Path):
+    state = sft_data(config=config, work_dir=str(work_dir), return_state=True)
+    return state, task_states(state)
+
+
+def test_second_run_is_cached_and_edits_rerun_only_what_depends_on_them(demo, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(builtin_chatml_template())
+    config = _config(demo, template)
+    work = tmp_path / "work"
+
+    state, states = _run(config, work)
+    assert state.is_completed()
+    assert states == {"render": ["Completed"], "spans": ["Completed"], "pbin": ["Completed"], "index": ["Completed"]}
+    first = state.result()
+    assert first.index.num_train > 0
+
+    state, states = _run(config, work)
+    assert all(s == ["Cached"] for s in states.values()), states
+    assert state.result() == first
+
+    # Deleting the pbin shard reruns pbin alone: it rewrites identical bytes, so the index stays cached.
+    Path(first.pbin[0].path).unlink()
+    state, states = _run(config, work)
+    assert states == {"render": ["Cached"], "spans": ["Cached"], "pbin": ["Completed"], "index": ["Cached"]}, states
+    assert Path(first.pbin[0].path).is_file()
+
+    # Editing the template reruns render and everything after it.
+    template.write_text(builtin_chatml_template().replace("'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ' '"))
+    state, states = _run(config, work)
+    assert all(s == ["Completed"] for s in states.values()), states
+    assert state.result().rendered[0].sha256 != first.rendered[0].sha256
+
+
+def test_corrupted_output_is_recomputed_not_trusted(demo, tmp_path):
+    config = _config(demo, Path(demo["tokenizer"]) / "missing.jinja").model_copy(update={"render": {"template": "chatml"}})
+    config = DataConfig.model_validate(config.model_dump())
+    work = tmp_path / "work"
+    first = run_data(config, str(work))
+    rendered = Path(first.rendered[0].path)
+    rendered.write_text(rendered.read_text().replace("assistant", "assistent"))
+    state, states = _run(config, work)
+    assert states["render"] == ["Completed"]
+    assert Path(first.rendered[0].path).read_text() == Path(state.result().rendered[0].path).read_text()
+    assert "assistent" not in rendered.read_text()
+
+
+def test_transient_io_error_is_retried(demo, tmp_path, monkeypatch):
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("SFTFLOW_INJECT_FAULT", f"spans:{marker}")
+    config = _config(demo, Path("unused")).model_copy(update={"render": {"template": "chatml"}})
+    config = DataConfig.model_validate(config.model_dump())
+    state = sft_data(config=config, work_dir=str(tmp_path / "work"), return_state=True)
+    assert state.is_completed()
+    assert marker.is_file()  # the fault did fire
+    assert run_counts(state)["spans"] == [2]
+
+
+def test_bad_input_fails_once_with_a_located_message(tmp_path, demo):
+    bad = tmp_path / "bad.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    bad.write_text(good + "\n" + json.dumps({"messages": [{"role": "assitant", "content": "x"}]}) + "\n")
+    config = DataConfig(sources=[str(bad)], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
+    state = sft_data(config=config, work_dir=str(tmp_path / "work"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: .*role"):
+        state.result()
+    assert run_counts(state)["render"] == [1]  # a ValueError is not retried
+
+
+def test_rejects_are_counted_instead_of_failing(tmp_path, demo):
+    bad = tmp_path / "mixed.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        "not json",
+    ]
+    bad.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    config = DataConfig(
+        sources=[str(bad)],
+        tokenizer=str(demo["tokenizer"]),
+        render={"template": "chatml", "on_bad_record": "reject"},
+        index={"eval_fraction": 0.0},
+    )
+    result = run_data(config, str(tmp_path / "work"))
+    assert result.rendered[0].num_records == 1
+    assert result.rendered[0].num_rejected == 2
+    rejects = [json.loads(line) for line in Path(result.rendered[0].rejects_path).read_text().splitlines()]
+    assert sorted(r["source"].rsplit(":", 1)[1] for r in rejects) == ["2", "3"]
+    assert result.index.num_train == 1
+
+
+def test_cli_data_and_inspect(tmp_path, demo):
+    from typer.testing import CliRunner
+
+    from sftflow.flows.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "out"
+    args = ["data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (out / "data.json").is_file()
+    listing = runner.invoke(app, ["inspect", str(out), "--format", "jsonl"])
+    assert listing.exit_code == 0
+    first = json.loads(listing.output.splitlines()[0])
+    assert set(first) == {"source", "input_ids", "loss_mask"} and 1 in first["loss_mask"]
+    shutil.rmtree(out)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}\n')
+    result = runner.invoke(app, ["data", "--source", str(bad), "--tokenizer", str(demo["tokenizer"]), "--out", str(out)])
+    assert result.exit_code == 2
+    assert "bad.jsonl:1" in result.output and "Traceback" not in result.output
