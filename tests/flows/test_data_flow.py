@@ -53,15 +53,15 @@ def test_second_run_is_cached_and_edits_rerun_only_what_depends_on_them(demo, tm
     assert Path(first.pbin[0].path).is_file()
 
     # Editing the template reruns render and everything after it.
-    template.write_text(builtin_chatml_template().replace("'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ' '"))
+    cue = "'<|im_start|>' + message['role']"
+    template.write_text(builtin_chatml_template().replace(cue, cue + " + ' '"))
     state, states = _run(config, work)
     assert all(s == ["Completed"] for s in states.values()), states
     assert state.result().rendered[0].sha256 != first.rendered[0].sha256
 
 
 def test_corrupted_output_is_recomputed_not_trusted(demo, tmp_path):
-    config = _config(demo, Path(demo["tokenizer"]) / "missing.jinja").model_copy(update={"render": {"template": "chatml"}})
-    config = DataConfig.model_validate(config.model_dump())
+    config = DataConfig(sources=[str(demo["data"])], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
     work = tmp_path / "work"
     first = run_data(config, str(work))
     rendered = Path(first.rendered[0].path)
@@ -75,8 +75,7 @@ def test_corrupted_output_is_recomputed_not_trusted(demo, tmp_path):
 def test_transient_io_error_is_retried(demo, tmp_path, monkeypatch):
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv("SFTFLOW_INJECT_FAULT", f"spans:{marker}")
-    config = _config(demo, Path("unused")).model_copy(update={"render": {"template": "chatml"}})
-    config = DataConfig.model_validate(config.model_dump())
+    config = DataConfig(sources=[str(demo["data"])], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
     state = sft_data(config=config, work_dir=str(tmp_path / "work"), return_state=True)
     assert state.is_completed()
     assert marker.is_file()  # the fault did fire
@@ -136,6 +135,7 @@ def test_cli_data_and_inspect(tmp_path, demo):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}\n')
-    result = runner.invoke(app, ["data", "--source", str(bad), "--tokenizer", str(demo["tokenizer"]), "--out", str(out)])
+    args = ["data", "--source", str(bad), "--tokenizer", str(demo["tokenizer"]), "--out", str(out)]
+    result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "bad.jsonl:1" in result.output and "Traceback" not in result.output
