@@ -202,3 +202,150 @@ def plan(
 
 def main() -> None:  # pragma: no cover
     app(sys.argv[1:])
+
+
+@app.command()
+@_user_errors
+def train(
+    data: Annotated[
+        Path | None, typer.Option(help="folder written by `sftflow data` (or a dataset index folder)")
+    ] = None,
+    plan: Annotated[Path, typer.Option(help="folder holding plan.npz (`sftflow plan --out`)")] = Path(
+        "sftflow-out/plan"
+    ),
+    model: Annotated[str, typer.Option(help="local folder, hub id, config.json or preset (tiny-llama)")] = "tiny-llama",
+    out: Annotated[Path, typer.Option(help="run directory")] = Path("sftflow-out/run"),
+    nproc: Annotated[int, typer.Option(help="worker processes (GPUs) per node")] = 1,
+    max_steps: Annotated[int | None, typer.Option(help="stop after N optimizer steps")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="save a checkpoint every K steps")] = None,
+    keep_last: Annotated[int | None, typer.Option(help="checkpoints to keep")] = None,
+    lr: Annotated[float | None, typer.Option(help="peak learning rate")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    resume: Annotated[bool, typer.Option(help="continue from the run's latest checkpoint")] = False,
+    init_from: Annotated[str | None, typer.Option(help="checkpoint (step-N folder or run dir) to start from")] = None,
+    load_components: Annotated[str | None, typer.Option(help="model[,optimizer,lr_scheduler,progress]")] = None,
+    nnodes: Annotated[int | None, typer.Option(help="nodes (multi-node: same command on each)")] = None,
+    node_rank: Annotated[int | None, typer.Option(help="this node's rank")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="host:port of the c10d rendezvous")] = None,
+    rdzv_id: Annotated[str | None, typer.Option(help="rendezvous id shared by all nodes")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML with TrainConfig fields")] = None,
+) -> None:
+    """Train with torchrun (FSDP2, packed rows, DCP checkpoints) and export a Hugging Face folder."""
+    _quiet_defaults()
+    from sftflow.tasks.train.config import TrainConfig
+    from sftflow.tasks.train.launch import train as run_train
+
+    raw = _load_yaml(config)
+    if data is not None:
+        raw["data"] = _index_dir(data)
+        raw.setdefault("tokenizer", _data_tokenizer(data))
+    flags = dict(
+        plan=str(plan),
+        model=model,
+        out=str(out),
+        nproc=nproc,
+        max_steps=max_steps,
+        checkpoint_every=checkpoint_every,
+        keep_last=keep_last,
+        lr=lr,
+        seed=seed,
+        init_from=init_from,
+        load_components=load_components,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+    )
+    for key, value in flags.items():
+        _set(raw, key, value)
+    result = run_train(TrainConfig.model_validate(raw), resume=resume)
+    typer.echo(result.model_dump_json(indent=2))
+
+
+def _index_dir(data: Path) -> str:
+    if (data / "data.json").is_file():
+        from sftflow.flows.data import load_data_result
+
+        return load_data_result(data).index_dir
+    if (data / "index.json").is_file():
+        return str(data)
+    raise ValueError(f"{data}: neither a `sftflow data` output (data.json) nor a dataset index (index.json)")
+
+
+def _data_tokenizer(data: Path) -> str | None:
+    if (data / "data.json").is_file():
+        from sftflow.flows.data import load_data_result
+
+        return load_data_result(data).tokenizer.path
+    return None
+
+
+@app.command("eval")
+@_user_errors
+def eval_command(
+    model: Annotated[str, typer.Option(help="the tuned model: a Hugging Face folder (e.g. RUN/hf)")],
+    data: Annotated[Path, typer.Option(help="folder written by `sftflow data`")],
+    base: Annotated[str | None, typer.Option(help="base model to compare with (folder, hub id or preset)")] = None,
+    seed: Annotated[int, typer.Option(help="seed a preset base was initialised with")] = 0,
+    max_docs: Annotated[int | None, typer.Option(help="eval documents for loss/accuracy")] = 512,
+    max_generations: Annotated[int, typer.Option(help="documents to generate answers for")] = 64,
+    out: Annotated[Path, typer.Option(help="report folder")] = Path("sftflow-out/eval"),
+) -> None:
+    """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match."""
+    _quiet_defaults()
+    from sftflow.tasks.eval_report import markdown_summary
+    from sftflow.tasks.eval_stage import EvalConfig, ModelRef, evaluate_run
+
+    tokenizer = _data_tokenizer(data) or model
+    base_ref = ModelRef(spec=base, seed=seed) if base else None
+    config = EvalConfig(max_docs=max_docs, max_generations=max_generations)
+    metrics = Path(model).parent / "metrics.jsonl"
+    result, _ = evaluate_run(
+        ModelRef(spec=model), base_ref, _index_dir(data), tokenizer, config, out, metrics if metrics.is_file() else None
+    )
+    typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics.is_file() else None))
+
+
+@app.command()
+@_user_errors
+def run(
+    config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
+    work_dir: Annotated[str | None, typer.Option(help="override the config's work_dir")] = None,
+    learning_rate: Annotated[float | None, typer.Option(help="override train.lr")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="override train.max_steps")] = None,
+    force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval")] = None,
+) -> None:
+    """Run the whole `sft` pipeline in-process (Prefect's local ephemeral API): data → plan → train → eval."""
+    _quiet_defaults()
+    from sftflow.flows.config import SFTConfig
+    from sftflow.flows.demo import demo_config
+    from sftflow.flows.sft import sft
+
+    cfg = SFTConfig.from_yaml(config) if config else demo_config()
+    if work_dir:
+        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
+    result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [])
+    typer.echo(_final_report(result))
+
+
+def _final_report(result) -> str:
+    lines = ["", "sftflow run finished", ""]
+    lines.append(f"  data   {result.data.index.num_train} train / {result.data.index.num_eval} eval documents")
+    s = result.plan.stats
+    lines.append(f"  plan   {s.num_steps} steps, packing efficiency {s.efficiency:.1%}")
+    lines.append(
+        f"  train  {result.train.steps} steps, final loss {result.train.final_loss:.4f} → {result.train.hf_dir}"
+    )
+    lines.append("")
+    lines.append(f"  {'model':<6} {'loss':>8} {'ppl':>8} {'tok acc':>8} {'exact':>8} {'overlap':>8}")
+    for name, m in result.eval.metrics.items():
+        em = "n/a" if m["exact_match"] is None else f"{m['exact_match']:.1%}"
+        ov = "n/a" if m["overlap"] is None else f"{m['overlap']:.3f}"
+        lines.append(
+            f"  {name:<6} {m['loss']:>8.4f} {m['perplexity']:>8.2f} {m['token_accuracy']:>8.1%} {em:>8} {ov:>8}"
+        )
+    lines.append("")
+    lines.append(f"  report {result.eval.markdown_path}")
+    if result.eval.plot_path:
+        lines.append(f"  plot   {result.eval.plot_path}")
+    return "\n".join(lines)

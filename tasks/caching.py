@@ -69,10 +69,15 @@ def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:
     return Path(work_dir) / stage / key
 
 
-def write_checksums(out_dir: Path) -> None:
-    """List every file under `out_dir` with its sha256; written last, so it also marks a complete output."""
+def write_checksums(out_dir: Path, include: tuple[str, ...] | None = None) -> None:
+    """List files under `out_dir` (all, or those under the `include` names) with their sha256.
+
+    Written last, so it also marks a complete output.
+    """
     lines = []
-    for file in sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+    roots = [out_dir] if include is None else [out_dir / name for name in include]
+    files = {f for root in roots for f in ([root] if root.is_file() else root.rglob("*")) if f.is_file()}
+    for file in sorted(p for p in files if p.name != CHECKSUMS):
         lines.append(f"{sha256_file(file)}  {file.relative_to(out_dir)}")
     tmp = out_dir / (CHECKSUMS + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,82 @@
+"""`SFTConfig`: the one typed parameter of the `sft` flow, loadable from YAML.
+
+Sections mirror the stages. `train` holds every `TrainConfig` field except the wiring that the flow fills in
+(data, plan, out, tokenizer, mock), so there is one source of truth for training options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from sftflow.flows.data import DataConfig
+from sftflow.tasks.eval_stage import EvalConfig
+from sftflow.tasks.train.config import TrainConfig
+
+_WIRED = {"data", "data_split", "plan", "out", "tokenizer", "mock"}
+
+# TrainSection: TrainConfig's fields minus the wired ones, same types, defaults and validation messages.
+TrainSection = create_model(
+    "TrainSection",
+    __config__=ConfigDict(frozen=True, extra="forbid"),
+    **{name: (field.annotation, field) for name, field in TrainConfig.model_fields.items() if name not in _WIRED},
+)
+# The section is validated again as a whole `TrainConfig` when the flow wires it, so its validators still apply.
+TrainSection.model_fields["model"].default = "tiny-llama"
+TrainSection.model_rebuild(force=True)
+
+
+class PlanSection(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tokens_per_rank: int = Field(2048, ge=1)
+    micro_batches_per_step: int | None = Field(None, ge=1)
+    target_tokens_per_step: int | None = Field(None, ge=1)
+    epochs: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0)
+    mode: Literal["packed", "padded", "iterative"] = "packed"
+    drop_last: bool = False
+
+
+class DemoConfig(BaseModel):
+    """Generate the bundled demo data and tokenizer into `work_dir/demo` and train on them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    records: int = Field(4000, ge=10)
+    seed: int = 0
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    work_dir: str = "sftflow-out"
+    demo: DemoConfig | None = None
+    data: DataConfig | None = None
+    plan: PlanSection = PlanSection()
+    train: TrainSection = TrainSection()  # type: ignore[valid-type]
+    eval: EvalConfig = EvalConfig()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SFTConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"{path}: config file not found")
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: config must be a mapping at the top level")
+        # Relative paths in a config file are relative to the file, so a config and its data can travel together.
+        work_dir = Path(raw.get("work_dir", "sftflow-out"))
+        raw["work_dir"] = str(work_dir if work_dir.is_absolute() else (p.parent / work_dir).resolve())
+        data = raw.get("data") or {}
+        if "sources" in data:
+            data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
+        if "tokenizer" in data and _relative_to(p, data["tokenizer"]).exists():
+            data["tokenizer"] = str(_relative_to(p, data["tokenizer"]))
+        return cls.model_validate(raw)
+
+
+def _relative_to(config_path: Path, value: str) -> Path:
+    v = Path(value)
+    return v if v.is_absolute() else (config_path.parent / v).resolve()

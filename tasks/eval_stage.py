@@ -1,0 +1,156 @@
+"""The `evaluate` Prefect task: base vs tuned on the eval split, with a report, artifacts and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from prefect import task
+from pydantic import BaseModel, ConfigDict, Field
+
+from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
+from sftflow.tasks.eval_report import markdown_summary, metrics_table, plot_loss_curve
+from sftflow.tasks.evaluate import EvalResult, evaluate_models
+from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.manifests import DatasetIndex, Manifest
+from sftflow.tasks.reader import IndexedDataset
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_docs: int | None = Field(default=512, ge=1, description="eval documents for loss/accuracy (None: all)")
+    max_generations: int = Field(default=64, ge=0, description="documents to greedy-generate answers for")
+    num_examples: int = Field(default=4, ge=0, description="examples shown in the report")
+    compare_base: bool = True
+
+
+class ModelRef(BaseModel):
+    """A model to evaluate: a Hugging Face folder (with its content hash) or a preset built from `seed`."""
+
+    model_config = ConfigDict(frozen=True)
+    spec: str
+    sha256: str | None = None
+    seed: int = 0
+    overrides: dict[str, int | float | str | bool] = {}
+
+
+class EvalReport(Manifest):
+    metrics: dict[str, dict]
+    plot_path: str | None
+    markdown_path: str
+    eval_docs: int
+
+
+def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
+    from sftflow.tasks.train.model import build_model
+
+    # The same seed and builder as the training worker, so a preset's "base" is the run's step-0 weights.
+    torch.manual_seed(ref.seed)
+    return build_model(ref.spec, vocab_size=vocab_size, packed=False, overrides=ref.overrides)
+
+
+def evaluate_run(
+    tuned: ModelRef,
+    base: ModelRef | None,
+    index_dir: str | Path,
+    tokenizer_path: str,
+    config: EvalConfig,
+    out_dir: Path,
+    metrics_path: Path | None = None,
+    final_step: int = 0,
+) -> tuple[EvalResult, Path]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    dataset = IndexedDataset(index_dir, split="eval")
+    if len(dataset) == 0:
+        raise ValueError(f"{index_dir}: the eval split is empty; set index.eval_fraction > 0")
+    count = len(dataset) if config.max_docs is None else min(len(dataset), config.max_docs)
+    docs = [dataset[i] for i in range(count)]
+    models = {}
+    if base is not None:
+        models["base"] = load_model(base, dataset.vocab_size)
+    models["tuned"] = load_model(tuned, dataset.vocab_size)
+    result = evaluate_models(models, tokenizer, docs, config.max_generations, config.num_examples)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = None
+    if metrics_path is not None:
+        plot = plot_loss_curve(metrics_path, result, final_step, out_dir / "loss_curve.png")
+    (out_dir / "report.json").write_text(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+    (out_dir / "report.md").write_text(markdown_summary(result, plot))
+    return result, out_dir / "report.json"
+
+
+EVAL_CACHE = StageCache(
+    stage="eval",
+    version="1",
+    modules=(
+        "sftflow.tasks.eval_stage",
+        "sftflow.tasks.evaluate",
+        "sftflow.tasks.eval_report",
+        "sftflow.tasks.caching",
+    ),
+)
+
+
+@task(
+    name="evaluate",
+    cache_policy=EVAL_CACHE,
+    retries=1,
+    retry_delay_seconds=1,
+    retry_condition_fn=retry_on_io_error,
+    persist_result=True,
+    result_serializer="json",
+)
+def eval_task(
+    tuned: ModelRef,
+    base: ModelRef | None,
+    index: DatasetIndex,
+    tokenizer_path: str,
+    tokenizer_sha256: str,
+    config: EvalConfig,
+    metrics_path: str | None,
+    final_step: int,
+    work_dir: str,
+) -> EvalReport:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    index.verify()
+    inputs = dict(
+        tuned=tuned,
+        base=base,
+        index=index,
+        tokenizer_path=tokenizer_path,
+        tokenizer_sha256=tokenizer_sha256,
+        config=config,
+        metrics_path=metrics_path,
+        final_step=final_step,
+        work_dir=work_dir,
+    )
+    out_dir = EVAL_CACHE.output_dir(inputs)
+    result, report = evaluate_run(
+        tuned,
+        base,
+        Path(index.path).parent,
+        tokenizer_path,
+        config,
+        out_dir,
+        Path(metrics_path) if metrics_path else None,
+        final_step,
+    )
+    plot = out_dir / "loss_curve.png"
+    markdown = (out_dir / "report.md").read_text()
+    create_markdown_artifact(markdown, key="sft-eval-report", description="base vs tuned on the eval split")
+    create_table_artifact(metrics_table(result), key="sft-eval-metrics", description="eval metrics")
+    manifest = EvalReport(
+        path=str(report),
+        sha256=sha256_file(report),
+        metrics={name: m.__dict__ for name, m in result.metrics.items()},
+        plot_path=str(plot) if plot.is_file() else None,
+        markdown_path=str(out_dir / "report.md"),
+        eval_docs=min(index.num_eval, config.max_docs or index.num_eval),
+    )
+    write_manifest(out_dir, manifest)
+    write_checksums(out_dir)
+    return manifest

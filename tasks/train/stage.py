@@ -1,0 +1,93 @@
+"""The cached `train` Prefect task used by the `sft` pipeline.
+
+The run folder is named by a content key over the dataset index, the plan, the tokenizer, the training options and
+the training code, so changing only the learning rate starts a new run while an unchanged rerun is Cached. A run that
+stopped part-way (crash, kill, injected fault) is not valid output yet; the next attempt, whether a Prefect retry or a
+fresh flow run, resumes it from its `latest` checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import task
+
+from sftflow.tasks.caching import StageCache, write_checksums
+from sftflow.tasks.manifests import DatasetIndex
+from sftflow.tasks.plan_stage import PlanManifest
+from sftflow.tasks.train.checkpoint import latest_checkpoint
+from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.launch import TrainResult, train
+
+TRAIN_CACHE = StageCache(
+    stage="train",
+    version="1",
+    modules=(
+        "sftflow.tasks.train.stage",
+        "sftflow.tasks.train.launch",
+        "sftflow.tasks.train.worker",
+        "sftflow.tasks.train.model",
+        "sftflow.tasks.train.fsdp",
+        "sftflow.tasks.train.checkpoint",
+        "sftflow.tasks.train.collate",
+        "sftflow.tasks.train.data",
+        "sftflow.kernels.attention",
+        "sftflow.kernels.cross_entropy",
+    ),
+)
+
+# Only the export and the metrics are checked before a cached run is trusted: hashing every checkpoint of a large
+# model on each lookup would cost minutes, and checkpoints are not what later stages read.
+_CHECKED = ("hf", "metrics.jsonl")
+
+
+@task(
+    name="train",
+    cache_policy=TRAIN_CACHE,
+    retries=2,
+    retry_delay_seconds=2,
+    persist_result=True,
+    result_serializer="json",
+)
+def train_stage_task(
+    index: DatasetIndex,
+    plan: PlanManifest,
+    tokenizer_path: str,
+    tokenizer_sha256: str,
+    options: dict,
+    work_dir: str,
+    fault: str | None = None,
+) -> TrainResult:
+    index.verify()
+    plan.verify()
+    inputs = dict(
+        index=index,
+        plan=plan,
+        tokenizer_path=tokenizer_path,
+        tokenizer_sha256=tokenizer_sha256,
+        options=options,
+        work_dir=work_dir,
+    )
+    run_dir = TRAIN_CACHE.output_dir(inputs)
+    config = TrainConfig(
+        **options,
+        data=str(Path(index.path).parent),
+        plan=str(Path(plan.path).parent),
+        tokenizer=tokenizer_path,
+        out=str(run_dir),
+    )
+    resume = latest_checkpoint(run_dir / "checkpoints") is not None
+    previous = os.environ.get("SFTFLOW_FAULT")
+    if fault:
+        os.environ["SFTFLOW_FAULT"] = fault  # read by the worker; test-only
+    try:
+        result = train(config, resume=resume)
+    finally:
+        if fault:
+            if previous is None:
+                os.environ.pop("SFTFLOW_FAULT", None)
+            else:
+                os.environ["SFTFLOW_FAULT"] = previous
+    write_checksums(run_dir, include=_CHECKED)
+    return result
