@@ -27,17 +27,17 @@ LOG2E = 1.4426950408889634
 # Block shapes per head dim, from the H200 sweep in benchmarks/attention.py (see benchmarks/RESULTS.md). The backward
 # runs two kernels: dK/dV (a program per key block) and dQ (a program per query block), each with its own shape.
 FWD_CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4),
 }
 BWD_CONFIGS = {
     64: {
-        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
     },
     128: {
         "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
     },
 }
 SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)  # the CPU interpreter and odd head dims

@@ -98,7 +98,7 @@ def _loss_and_grads(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     V = weight_VD.shape[0]
     loss = torch.zeros((), dtype=torch.promote_types(hidden_TD.dtype, torch.float32), device=hidden_TD.device)
-    grad_hidden = torch.zeros_like(hidden_TD) if need_grad_hidden else None
+    grad_hidden = torch.zeros_like(hidden_TD, memory_format=torch.contiguous_format) if need_grad_hidden else None
     grad_weight = torch.zeros_like(weight_VD) if need_grad_weight else None
     rows = (labels_T != ignore_index).nonzero().squeeze(1)
     if rows.numel() == 0:
@@ -107,13 +107,17 @@ def _loss_and_grads(
     if bool(((targets < 0) | (targets >= V)).any()):
         bad = targets[(targets < 0) | (targets >= V)][0].item()
         raise ValueError(f"labels: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
+    all_trained = rows.numel() == hidden_TD.shape[0]  # then chunks are plain slices: no gather, no scatter
     for start in range(0, rows.numel(), chunk_rows):
         rows_C = rows[start : start + chunk_rows]
-        h_CD = hidden_TD.index_select(0, rows_C)
+        h_CD = hidden_TD[start : start + chunk_rows] if all_trained else hidden_TD.index_select(0, rows_C)
         logits_CV = h_CD @ weight_VD.T
         loss += ce_step(logits_CV, targets[start : start + chunk_rows])
         if grad_hidden is not None:
-            grad_hidden.index_copy_(0, rows_C, logits_CV @ weight_VD)
+            if all_trained:
+                torch.mm(logits_CV, weight_VD, out=grad_hidden[start : start + chunk_rows])
+            else:
+                grad_hidden.index_copy_(0, rows_C, logits_CV @ weight_VD)
         if grad_weight is not None:
             grad_weight.addmm_(logits_CV.T, h_CD)
         del logits_CV, h_CD  # free this chunk's logits before the next chunk's matmul allocates its own

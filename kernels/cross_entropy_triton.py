@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 # Columns per step and warps per row program, from the H200 sweep in benchmarks/cross_entropy.py --kernel-sweep.
-BLOCK_V_MAX = 4096
-NUM_WARPS = 8
+BLOCK_V_MAX = 32768
+NUM_WARPS = 32
 
 
 @triton.jit
