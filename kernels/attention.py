@@ -14,8 +14,8 @@ Backends (``SFTFLOW_ATTENTION=<name>`` forces one; otherwise the first available
 
 | backend      | needs                                             |
 |--------------|---------------------------------------------------|
+| ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU); head dim <= 128 by default |
 | ``flash_attn`` | the flash-attn package, CUDA, fp16/bf16          |
-| ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU) |
 | ``torch``    | ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), CUDA, fp16/bf16 |
 | ``sdpa``     | nothing: SDPA with a (T, T) block-diagonal causal mask; the CPU reference (memory O(H T^2)) |
 """
@@ -72,8 +72,11 @@ BACKENDS = {
     "torch": _torch_varlen_available,
     "sdpa": _sdpa_available,
 }
-# CUDA order from benchmarks/RESULTS.md (## Kernels): our Triton kernel against torch varlen_attn on the H200.
-PREFERENCE = {"cuda": ("flash_attn", "torch", "triton", "sdpa"), "cpu": ("sdpa", "triton")}
+# CUDA order from benchmarks/RESULTS.md (## Kernels): on the H200 our Triton kernel ran forward+backward 1.20-1.35x
+# faster than torch varlen_attn (FlashAttention-2 inside torch) at D=64 and D=128, so it comes first; flash_attn
+# (FA2 too) was not installed there and was not measured. Head dims above 128 skip triton (not tuned or tested).
+PREFERENCE = {"cuda": ("triton", "flash_attn", "torch", "sdpa"), "cpu": ("sdpa", "triton")}
+TRITON_MAX_HEAD_DIM = 128
 
 
 def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
@@ -83,11 +86,20 @@ def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = 
     return [name for name in order if BACKENDS[name](device, dtype) is None]
 
 
-def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dispatch.BackendChoice:
+def select_backend(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int | None = None
+) -> dispatch.BackendChoice:
     """The backend `varlen_attention` runs for tensors on `device` with `dtype`, and why (logged once)."""
     device = torch.device(device)
     order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    if head_dim is not None and head_dim > TRITON_MAX_HEAD_DIM:
+        order = tuple(name for name in order if name != "triton")
     return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
+
+
+def last_backend() -> dispatch.BackendChoice | None:
+    """The backend the last dispatched call ran with (name and reason), or None before the first call."""
+    return dispatch.last_choice(KERNEL)
 
 
 def _expand_kv(k_TKD: torch.Tensor, group: int) -> torch.Tensor:
@@ -184,7 +196,7 @@ def varlen_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if backend is None:
-        backend = select_backend(q_THD.device, q_THD.dtype).name
+        backend = select_backend(q_THD.device, q_THD.dtype, D).name
     elif backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not an {KERNEL} backend; expected one of {sorted(BACKENDS)}")
     return IMPLEMENTATIONS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)

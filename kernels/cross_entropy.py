@@ -59,6 +59,11 @@ def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
 
 
+def last_backend() -> dispatch.BackendChoice | None:
+    """The backend the last dispatched call ran with (name and reason), or None before the first call."""
+    return dispatch.last_choice(KERNEL)
+
+
 def _ce_step_reference(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
     """Sum of CE over the chunk's rows (fp32); overwrites `logits_CV` with softmax - onehot."""
     # fp32 math (fp64 for fp64 inputs); the same tensor when no cast is needed: fine, it is overwritten anyway

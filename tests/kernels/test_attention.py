@@ -135,6 +135,17 @@ def test_dispatch_env_override_and_logging(monkeypatch, caplog):
     assert attn.available_backends("cpu")[0] == "sdpa"
 
 
+@needs_triton
+def test_cuda_preference_without_a_gpu(monkeypatch):
+    """Choosing only inspects availability, so the CUDA order can be checked on CPU: ours first, none past D=128."""
+    monkeypatch.delenv("SFTFLOW_ATTENTION", raising=False)
+    assert attn.select_backend("cuda", torch.bfloat16, head_dim=128).name == "triton"
+    assert attn.select_backend("cuda", torch.bfloat16, head_dim=256).name != "triton"
+    q, k, v, cu = make_inputs([3, 5], 2, 1, 16, "cpu")
+    varlen_attention(q, k, v, cu, 5)
+    assert attn.last_backend().name == "sdpa"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
