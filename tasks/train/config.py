@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -123,7 +124,7 @@ def write_run_json(config: TrainConfig, manifests: dict, path: Path) -> None:
         "config": config.model_dump(mode="json", exclude={"node_rank"}),
         "manifests": manifests,
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,29 @@ def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
     return 1.0 - (1 - c.min_lr_ratio) * progress
 
 
+def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: torch.device) -> torch.Tensor:
+    """Accumulate the gradients of `sum(token losses) / step_loss_tokens` over this rank's micro-batches.
+
+    Returns this rank's fp64 `[loss sum, trained targets, tokens, sum of doc_length**2]` for the step's metrics.
+    A micro-batch without trained targets still runs forward and backward (the loss is a graph-connected zero), so
+    FSDP's collectives stay in step across ranks.
+    """
+    stats = torch.zeros(4, dtype=torch.float64)
+    for batch in batches:
+        loss_sum = model(**model_batch(batch, device))
+        (loss_sum / step_loss_tokens).backward()
+        lengths = batch["doc_lengths"].double()
+        stats += torch.stack(
+            [
+                loss_sum.detach().double().cpu(),
+                torch.tensor(float(batch["num_loss_tokens"])),
+                lengths.sum(),
+                (lengths**2).sum(),
+            ]
+        )
+    return stats
+
+
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
     """Global gradient L2 norm (over all shards), clipped in place when `max_norm` is set."""
     params = [p for p in model.parameters() if p.grad is not None]
@@ -82,6 +107,27 @@ def save_full_grads(model: torch.nn.Module, path: Path, env: DistEnv) -> None:
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(grads, str(path))
+
+
+def fault_hook(run_dir: Path, env: DistEnv):
+    """Test hook: `SFTFLOW_FAULT=crash_after_step=N[,rank=R]` SIGKILLs rank R (default: the last) right after step N
+    (and its checkpoint, if one is due), once per run: the marker `RUN_DIR/fault-fired` stops a resumed attempt
+    from crashing again."""
+    spec = os.environ.get("SFTFLOW_FAULT")
+    if not spec:
+        return lambda step: None
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    if set(fields) - {"crash_after_step", "rank"} or "crash_after_step" not in fields:
+        raise ValueError(f"SFTFLOW_FAULT={spec!r}: expected crash_after_step=N[,rank=R]")
+    crash_step, crash_rank = int(fields["crash_after_step"]), int(fields.get("rank", env.world_size - 1))
+    marker = run_dir / "fault-fired"
+
+    def maybe_crash(step: int) -> None:
+        if step == crash_step and env.rank == crash_rank and not marker.exists():
+            marker.write_text(f"rank {env.rank} killed itself after step {step}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return maybe_crash
 
 
 def train(run_dir: Path) -> None:
@@ -139,27 +185,17 @@ def train(run_dir: Path) -> None:
         )
 
     nonfinite_in_a_row = 0
+    maybe_crash = fault_hook(run_dir, env)
     for step in range(progress.step, total_steps):
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
         skipped = None
         loss = grad_norm = None
-        local = torch.zeros(4, dtype=torch.float64)  # loss sum, trained targets, tokens, sum of doc_len**2
+        local = torch.zeros(4, dtype=torch.float64)
         if step_loss_tokens == 0:
             skipped = "no trained tokens in this step"  # every rank reads the same plan, so all skip together
         else:
-            for batch in batches(step):
-                loss_sum = model(**model_batch(batch, env.device))
-                (loss_sum / step_loss_tokens).backward()
-                lengths = batch["doc_lengths"].double()
-                local += torch.stack(
-                    [
-                        loss_sum.detach().double().cpu(),
-                        torch.tensor(float(batch["num_loss_tokens"])),
-                        lengths.sum(),
-                        (lengths**2).sum(),
-                    ]
-                )
+            local = forward_backward(model, batches(step), step_loss_tokens, env.device)
             if step + 1 in config.save_grads_at_steps:
                 save_full_grads(lm, Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors", env)
             grad_norm = clip_gradients(model, optim_c.grad_clip)
@@ -202,6 +238,7 @@ def train(run_dir: Path) -> None:
         )
         if checkpointer.due(progress.step):
             checkpointer.save(progress.step)
+        maybe_crash(progress.step)
 
     if checkpointer.last_saved_step != progress.step:
         checkpointer.save(progress.step)
