@@ -177,12 +177,17 @@ def plan(
         save_plan(arrays, out / "plan.npz")
         (out / "stats.json").write_text(plan_stats.model_dump_json(indent=2))
     else:
-        from sftflow.flows.plan import run_plan
+        import shutil
 
-        manifest = run_plan(data_dir=str(data), config=config, work_dir=str(out))
+        from sftflow.flows.config import PlanSection, SFTConfig
+        from sftflow.flows.data import load_data_result
+        from sftflow.flows.plan import sft_plan
+
+        section = PlanSection.model_validate(config.model_dump(include=set(PlanSection.model_fields)))
+        cfg = SFTConfig(work_dir=str(out.resolve()), plan=section)
+        manifest = sft_plan(config=cfg, data=load_data_result(data))
         plan_stats = manifest.stats
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(manifest.model_dump_json(indent=2))
+        shutil.copyfile(manifest.path, out / "plan.npz")
     summary = {
         "efficiency": plan_stats.efficiency,
         "token_imbalance": plan_stats.token_imbalance,

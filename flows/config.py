@@ -12,9 +12,26 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from sftflow.flows.data import DataConfig
+from sftflow.tasks.data_stages import IndexConfig
 from sftflow.tasks.eval_stage import EvalConfig
+from sftflow.tasks.plan import PlanConfig
+from sftflow.tasks.render import RenderConfig
+from sftflow.tasks.spans import SpansConfig
 from sftflow.tasks.train.config import TrainConfig
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[str] = Field(min_length=1, description="JSONL / Parquet files or local `datasets` folders")
+    tokenizer: str = Field(description="tokenizer folder or hub id")
+    render: RenderConfig = RenderConfig()
+    spans: SpansConfig = SpansConfig()
+    index: IndexConfig = IndexConfig()
+    task_runner: Literal["threads", "processes", "dask"] = "threads"
+    workers: int | None = Field(default=None, ge=1, description="task-runner workers (default: the runner's own)")
+    dask_address: str | None = Field(default=None, description="scheduler address of an existing Dask cluster")
+
 
 _WIRED = {"data", "data_split", "plan", "out", "tokenizer", "mock"}
 
@@ -31,6 +48,7 @@ TrainSection.model_rebuild(force=True)
 
 class PlanSection(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+    num_ranks: int | None = Field(None, ge=1, description="data-parallel ranks (default: train.nproc × train.nnodes)")
     tokens_per_rank: int = Field(2048, ge=1)
     micro_batches_per_step: int | None = Field(None, ge=1)
     target_tokens_per_step: int | None = Field(None, ge=1)
@@ -80,3 +98,47 @@ class SFTConfig(BaseModel):
 def _relative_to(config_path: Path, value: str) -> Path:
     v = Path(value)
     return v if v.is_absolute() else (config_path.parent / v).resolve()
+
+
+def resolve_config(
+    config_path: str | None,
+    config: SFTConfig | None,
+    learning_rate: float | None = None,
+    max_steps: int | None = None,
+    epochs: int | None = None,
+) -> SFTConfig:
+    """One config from a YAML path or an inline object, with flat overrides (deployment `-p` friendly)."""
+    if (config_path is None) == (config is None):
+        raise ValueError("give exactly one of config_path (a YAML file) or config (inline)")
+    cfg = SFTConfig.from_yaml(config_path) if config_path else config
+    if learning_rate is None and max_steps is None and epochs is None:
+        return cfg
+    train = cfg.train.model_dump()
+    if learning_rate is not None:
+        train["lr"] = learning_rate
+    if max_steps is not None:
+        train["max_steps"] = max_steps
+    plan = cfg.plan.model_dump()
+    if epochs is not None:
+        plan["epochs"] = epochs
+    return SFTConfig.model_validate({**cfg.model_dump(), "train": train, "plan": plan})
+
+
+def data_config(cfg: SFTConfig) -> DataConfig:
+    """The data section; with `demo`, the generated conversations and tokenizer (written once, reused after)."""
+    if cfg.demo is None:
+        if cfg.data is None:
+            raise ValueError("config: set `data` (sources and tokenizer) or `demo`")
+        return cfg.data
+    from sftflow.tasks.demo import write_demo
+
+    paths = write_demo(Path(cfg.work_dir) / "demo", n=cfg.demo.records, seed=cfg.demo.seed)
+    base = cfg.data.model_dump() if cfg.data else {"render": {"template": "chatml"}, "index": {"eval_fraction": 0.1}}
+    base.update(sources=[str(paths["data"])], tokenizer=str(paths["tokenizer"]))
+    return DataConfig.model_validate(base)
+
+
+def plan_config(cfg: SFTConfig) -> PlanConfig:
+    section = cfg.plan.model_dump()
+    num_ranks = section.pop("num_ranks") or cfg.train.nproc * cfg.train.nnodes
+    return PlanConfig(num_ranks=num_ranks, **section)

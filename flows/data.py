@@ -1,17 +1,17 @@
-"""The `sft-data` flow: render → spans → pbin mapped over source shards, then one dataset index."""
+"""The `sft-data` flow: render → spans → pbin mapped over source shards on the configured task runner, then one
+dataset index. Outputs land under `work_dir/{render,spans,pbin,index}/<key>/` and `work_dir/data.json`."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow, get_run_logger, unmapped
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from sftflow.flows.config import DataConfig, SFTConfig, data_config, resolve_config
+from sftflow.flows.results import read_stage_result, write_stage_result
 from sftflow.tasks.data_stages import (
-    IndexConfig,
     SourceFile,
     TokenizerRef,
     index_task,
@@ -23,23 +23,6 @@ from sftflow.tasks.data_stages import (
     tokenizer_ref,
 )
 from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
-from sftflow.tasks.render import RenderConfig
-from sftflow.tasks.spans import SpansConfig
-
-DATA_RESULT = "data.json"
-
-
-class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    sources: list[str] = Field(min_length=1, description="JSONL / Parquet files or local `datasets` folders")
-    tokenizer: str = Field(description="tokenizer folder or hub id")
-    render: RenderConfig = RenderConfig()
-    spans: SpansConfig = SpansConfig()
-    index: IndexConfig = IndexConfig()
-    task_runner: Literal["threads", "processes", "dask"] = "threads"
-    workers: int | None = Field(default=None, ge=1, description="task-runner workers (default: the runner's own)")
-    dask_address: str | None = Field(default=None, description="scheduler address of an existing Dask cluster")
 
 
 class DataResult(BaseModel):
@@ -88,50 +71,58 @@ def make_task_runner(config: DataConfig):
 
 
 @flow(name="sft-data", log_prints=True)
-def sft_data(config: DataConfig, work_dir: str, force: bool = False) -> DataResult:
-    """Render, tokenize and pack every source into pbin shards, then build the dataset index under `work_dir`."""
+def sft_data(config_path: str | None = None, config: SFTConfig | None = None, force: bool = False) -> DataResult:
+    """Render, tokenize and pack every source into pbin shards, then build the dataset index.
+
+    A rerun with unchanged sources, template, tokenizer and options is Cached task by task, which makes this flow a
+    cheap no-op on a schedule when nothing changed.
+    """
     logger = get_run_logger()
-    work = Path(work_dir).resolve()
+    cfg = resolve_config(config_path, config)
+    work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer_ref(config.tokenizer, work)
-    sources: list[SourceFile] = [source_file(s) for s in config.sources]
-    template_sha = template_sha256(config.render, tokenizer)
+    dcfg = data_config(cfg)
+    tokenizer = tokenizer_ref(dcfg.tokenizer, work)
+    sources: list[SourceFile] = [source_file(s) for s in dcfg.sources]
+    template_sha = template_sha256(dcfg.render, tokenizer)
     logger.info("sft-data: %d source(s), template %s, tokenizer %s", len(sources), template_sha[:12], tokenizer.path)
 
     options = {"refresh_cache": True} if force else {}
     render, spans, pbin, index = (t.with_options(**options) for t in (render_task, spans_task, pbin_task, index_task))
     wd = str(work)
-    rendered = render.map(sources, unmapped(tokenizer), unmapped(template_sha), unmapped(config.render), unmapped(wd))
-    tokenized = spans.map(rendered, unmapped(tokenizer), unmapped(config.spans), unmapped(wd))
-    shards = pbin.map(tokenized, rendered, unmapped(tokenizer), unmapped(wd))
-    rendered_m, tokenized_m, shards_m = rendered.result(), tokenized.result(), shards.result()
-    dataset_index = index(shards_m, config.index, wd)
+    # Per-shard stages run on the configured runner (threads, processes or Dask); each stage is a barrier, which keeps
+    # futures from crossing runners and costs nothing when shards are of similar size.
+    with make_task_runner(dcfg) as runner:
+        rendered = runner.map(
+            render,
+            dict(
+                source=sources,
+                tokenizer=unmapped(tokenizer),
+                template_sha=unmapped(template_sha),
+                config=unmapped(dcfg.render),
+                work_dir=unmapped(wd),
+            ),
+        ).result()
+        tokenized = runner.map(
+            spans,
+            dict(rendered=rendered, tokenizer=unmapped(tokenizer), config=unmapped(dcfg.spans), work_dir=unmapped(wd)),
+        ).result()
+        shards = runner.map(
+            pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
+        ).result()
+    dataset_index = index(shards, dcfg.index, wd)
     result = DataResult(
-        work_dir=wd,
-        tokenizer=tokenizer,
-        rendered=rendered_m,
-        tokenized=tokenized_m,
-        pbin=shards_m,
-        index=dataset_index,
+        work_dir=wd, tokenizer=tokenizer, rendered=rendered, tokenized=tokenized, pbin=shards, index=dataset_index
     )
-    _write_result(work / DATA_RESULT, result)
+    write_stage_result(work, "data", result)
     logger.info("sft-data: %s", json.dumps(result.summary()))
     return result
 
 
-def _write_result(path: Path, result: DataResult) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(result.model_dump_json(indent=2))
-    os.replace(tmp, path)
-
-
-def load_data_result(data_dir: str | Path) -> DataResult:
-    path = Path(data_dir) / DATA_RESULT
-    if not path.is_file():
-        raise ValueError(f"{data_dir}: no {DATA_RESULT}; run `sftflow data --out {data_dir}` first")
-    return DataResult.model_validate_json(path.read_text())
+def load_data_result(work_dir: str | Path) -> DataResult:
+    return read_stage_result(work_dir, "data", DataResult)
 
 
 def run_data(config: DataConfig, work_dir: str, force: bool = False) -> DataResult:
-    """Run `sft-data` on the task runner its config names."""
-    return sft_data.with_options(task_runner=make_task_runner(config))(config=config, work_dir=work_dir, force=force)
+    """`sft-data` on a data config alone (the `sftflow data` command)."""
+    return sft_data(config=SFTConfig(work_dir=str(Path(work_dir).resolve()), data=config), force=force)

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from sftflow.flows.data import load_data_result
-from sftflow.tasks.manifests import DatasetIndex
-from sftflow.tasks.plan import PlanConfig
+from sftflow.flows.config import SFTConfig, plan_config, resolve_config
+from sftflow.flows.data import DataResult, load_data_result
+from sftflow.flows.results import read_stage_result, write_stage_result
 from sftflow.tasks.plan_stage import PlanManifest, plan_task
 
 
 @flow(name="sft-plan", log_prints=True)
-def sft_plan(index: DatasetIndex, config: PlanConfig, work_dir: str, force: bool = False) -> PlanManifest:
+def sft_plan(
+    config_path: str | None = None,
+    config: SFTConfig | None = None,
+    epochs: int | None = None,
+    force: bool = False,
+    data: DataResult | None = None,
+) -> PlanManifest:
+    """Plan the train split. `data` defaults to the work folder's latest `sft-data` result."""
+    cfg = resolve_config(config_path, config, epochs=epochs)
+    work = Path(cfg.work_dir).resolve()
+    data = data or load_data_result(work)
     task = plan_task.with_options(refresh_cache=True) if force else plan_task
-    manifest = task(index, config, work_dir)
+    manifest = task(data.index, plan_config(cfg), str(work))
+    write_stage_result(work, "plan", manifest)
     s = manifest.stats
     get_run_logger().info(
         "sft-plan: %d steps, efficiency %.2f%%, token imbalance %.3f, cost imbalance %.3f",
@@ -28,11 +38,5 @@ def sft_plan(index: DatasetIndex, config: PlanConfig, work_dir: str, force: bool
     return manifest
 
 
-def run_plan(data_dir: str, config: PlanConfig, work_dir: str, force: bool = False) -> PlanManifest:
-    """Plan the train split of `sftflow data`'s output; `work_dir/plan.npz` is a copy of the cached plan."""
-    data = load_data_result(data_dir)
-    manifest = sft_plan(index=data.index, config=config, work_dir=work_dir, force=force)
-    out = Path(work_dir)
-    if Path(manifest.path).resolve() != (out / "plan.npz").resolve():
-        shutil.copyfile(manifest.path, out / "plan.npz")
-    return manifest
+def load_plan_result(work_dir: str | Path) -> PlanManifest:
+    return read_stage_result(work_dir, "plan", PlanManifest)

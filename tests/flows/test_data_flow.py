@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sftflow.flows.data import DataConfig, run_data, sft_data
+from sftflow.flows.config import DataConfig, SFTConfig
+from sftflow.flows.data import run_data, sft_data
 from sftflow.tasks.demo import write_demo
 from sftflow.tasks.tiny import builtin_chatml_template
 from tests.flows.conftest import run_counts, task_states
@@ -26,7 +27,7 @@ def _config(demo, template: Path, **extra) -> DataConfig:
 
 
 def _run(config: DataConfig, work_dir: Path):
-    state = sft_data(config=config, work_dir=str(work_dir), return_state=True)
+    state = sft_data(config=SFTConfig(work_dir=str(work_dir), data=config), return_state=True)
     return state, task_states(state)
 
 
@@ -76,7 +77,7 @@ def test_transient_io_error_is_retried(demo, tmp_path, monkeypatch):
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv("SFTFLOW_INJECT_FAULT", f"spans:{marker}")
     config = DataConfig(sources=[str(demo["data"])], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
-    state = sft_data(config=config, work_dir=str(tmp_path / "work"), return_state=True)
+    state = sft_data(config=SFTConfig(work_dir=str(tmp_path / "work"), data=config), return_state=True)
     assert state.is_completed()
     assert marker.is_file()  # the fault did fire
     assert run_counts(state)["spans"] == [2]
@@ -87,7 +88,7 @@ def test_bad_input_fails_once_with_a_located_message(tmp_path, demo):
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     bad.write_text(good + "\n" + json.dumps({"messages": [{"role": "assitant", "content": "x"}]}) + "\n")
     config = DataConfig(sources=[str(bad)], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
-    state = sft_data(config=config, work_dir=str(tmp_path / "work"), return_state=True)
+    state = sft_data(config=SFTConfig(work_dir=str(tmp_path / "work"), data=config), return_state=True)
     assert state.is_failed()
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: .*role"):
         state.result()

@@ -1,0 +1,45 @@
+"""The `sft-train` flow: train on the planned dataset. Reruns resume a partial run; an unchanged run is Cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from sftflow.flows.config import SFTConfig, resolve_config
+from sftflow.flows.data import DataResult, load_data_result
+from sftflow.flows.plan import load_plan_result
+from sftflow.flows.results import read_stage_result, write_stage_result
+from sftflow.tasks.plan_stage import PlanManifest
+from sftflow.tasks.train.launch import TrainResult
+from sftflow.tasks.train.stage import train_stage_task
+
+
+@flow(name="sft-train", log_prints=True)
+def sft_train(
+    config_path: str | None = None,
+    config: SFTConfig | None = None,
+    learning_rate: float | None = None,
+    max_steps: int | None = None,
+    force: bool = False,
+    fault: str | None = None,
+    data: DataResult | None = None,
+    plan: PlanManifest | None = None,
+) -> TrainResult:
+    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages.
+
+    `fault` is a test hook passed to the worker (`SFTFLOW_FAULT`), e.g. `crash_after_step=6`.
+    """
+    cfg = resolve_config(config_path, config, learning_rate=learning_rate, max_steps=max_steps)
+    work = Path(cfg.work_dir).resolve()
+    data = data or load_data_result(work)
+    plan = plan or load_plan_result(work)
+    task = train_stage_task.with_options(refresh_cache=True) if force else train_stage_task
+    options = cfg.train.model_dump(mode="json")
+    result = task(data.index, plan, data.tokenizer.path, data.tokenizer.sha256, options, str(work), fault=fault)
+    write_stage_result(work, "train", result)
+    return result
+
+
+def load_train_result(work_dir: str | Path) -> TrainResult:
+    return read_stage_result(work_dir, "train", TrainResult)
