@@ -11,66 +11,34 @@ summation order). This is what lets a 2-rank checkpoint resume on 1 rank and bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from sftflow.tasks.plan import PlanArrays
+from sftflow.tasks.plan import load_plan as _load_plan
 from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
 
 PLAN_FILE = "plan.npz"
 
 
-@dataclass(frozen=True)
-class PlanArrays:
-    doc_ids: np.ndarray
-    row_ptr: np.ndarray
-    num_ranks: int
-    micro_batches_per_step: int
-    step_loss_tokens: np.ndarray
-    mode: str  # "packed" | "padded" | "iterative"
-    steps_per_epoch: int
-    path: Path
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.step_loss_tokens)
-
-    def rows(self, step: int, micro_batch: int, plan_rank: int) -> np.ndarray:
-        row = (step * self.micro_batches_per_step + micro_batch) * self.num_ranks + plan_rank
-        return self.doc_ids[self.row_ptr[row] : self.row_ptr[row + 1]]
-
-
-def load_plan(plan_dir: str | Path) -> PlanArrays:
-    path = Path(plan_dir)
+def plan_path(plan: str | Path) -> Path:
+    """`plan.npz` itself, or the plan stage's output folder holding it."""
+    path = Path(plan)
     if path.is_dir():
         path = path / PLAN_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no plan; run the plan stage first (sftflow plan)")
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    for key in ("doc_ids", "row_ptr", "num_ranks", "micro_batches_per_step", "step_loss_tokens"):
-        if key not in arrays:
-            raise ValueError(f"{path}: missing array {key!r}")
-    num_ranks, mbs = int(arrays["num_ranks"]), int(arrays["micro_batches_per_step"])
-    steps = len(arrays["step_loss_tokens"])
-    if len(arrays["row_ptr"]) != steps * mbs * num_ranks + 1:
-        raise ValueError(
-            f"{path}: row_ptr has {len(arrays['row_ptr'])} entries; expected steps*micro_batches*ranks+1 = "
-            f"{steps}*{mbs}*{num_ranks}+1"
-        )
-    mode = str(arrays["mode"]) if "mode" in arrays else "packed"
-    steps_per_epoch = int(arrays["steps_per_epoch"]) if "steps_per_epoch" in arrays else steps
-    return PlanArrays(
-        doc_ids=arrays["doc_ids"],
-        row_ptr=arrays["row_ptr"],
-        num_ranks=num_ranks,
-        micro_batches_per_step=mbs,
-        step_loss_tokens=arrays["step_loss_tokens"].astype(np.int64),
-        mode=mode,
-        steps_per_epoch=max(steps_per_epoch, 1),
-        path=path,
-    )
+    return path
+
+
+def load_plan(plan: str | Path) -> PlanArrays:
+    return _load_plan(plan_path(plan))
+
+
+def plan_row(plan: PlanArrays, step: int, micro_batch: int, plan_rank: int) -> np.ndarray:
+    row = (step * plan.micro_batches_per_step + micro_batch) * plan.num_ranks + plan_rank
+    return plan.doc_ids[plan.row_ptr[row] : plan.row_ptr[row + 1]]
 
 
 def open_dataset(data: str | None, split: str, mock):
@@ -98,11 +66,11 @@ class RankBatches:
     def __init__(self, plan: PlanArrays, dataset, *, rank: int, world_size: int, pad_id: int = 0):
         if plan.num_ranks % world_size != 0:
             raise ValueError(
-                f"{plan.path}: the plan is for {plan.num_ranks} ranks, which the world size {world_size} does not "
+                f"the plan is for {plan.num_ranks} ranks, which the world size {world_size} does not "
                 "divide; re-plan for this world size or run with a divisor of it"
             )
         if plan.mode not in ("packed", "padded", "iterative"):
-            raise ValueError(f"{plan.path}: unknown plan mode {plan.mode!r}")
+            raise ValueError(f"unknown plan mode {plan.mode!r}")
         per_worker = plan.num_ranks // world_size
         self.plan_ranks = range(rank * per_worker, (rank + 1) * per_worker)
         self.plan = plan
@@ -114,6 +82,6 @@ class RankBatches:
         batches = []
         for m in range(self.plan.micro_batches_per_step):
             for r in self.plan_ranks:
-                docs = [self.dataset[int(i)] for i in self.plan.rows(step, m, r)]
+                docs = [self.dataset[int(i)] for i in plan_row(self.plan, step, m, r)]
                 batches.append(collate(docs, self.fns))
         return batches

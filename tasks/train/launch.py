@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from sftflow.tasks.fingerprint import sha256_file
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
-from sftflow.tasks.train.data import load_plan
+from sftflow.tasks.train.data import load_plan, plan_path
 from sftflow.tasks.train.metrics import read_metrics
 
 WORKER_MODULE = "sftflow.tasks.train.worker"
@@ -73,10 +73,11 @@ def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
 def input_manifests(config: TrainConfig) -> dict:
     """What the run was made from: the plan file's hash and arrays' sizes, the data index's manifest or mock config."""
     plan = load_plan(config.plan)
+    path = plan_path(config.plan)
     manifests = {
         "plan": {
-            "path": str(plan.path),
-            "sha256": sha256_file(plan.path),
+            "path": str(path),
+            "sha256": sha256_file(path),
             "num_steps": plan.num_steps,
             "num_ranks": plan.num_ranks,
             "micro_batches_per_step": plan.micro_batches_per_step,

@@ -33,7 +33,7 @@ from sftflow.tasks.train.checkpoint import (
     SchedulerState,
     full_model_state_dict,
 )
-from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset
+from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
@@ -213,7 +213,7 @@ def train(run_dir: Path) -> None:
         loss_sum, targets, tokens, sum_sq = totals.tolist()
         if step_loss_tokens and int(targets) != step_loss_tokens:
             raise ValueError(
-                f"{plan.path}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
+                f"{plan_path(config.plan)}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
                 f"{int(targets)}; the plan was made for different data"
             )
         if step_loss_tokens:
@@ -221,7 +221,7 @@ def train(run_dir: Path) -> None:
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         progress.step = step + 1
-        progress.epoch = step // plan.steps_per_epoch
+        progress.epoch = int(plan.epoch_of_step[step])
         progress.tokens_seen += int(tokens)
         progress.trained_tokens_seen += step_loss_tokens
         metrics.log(
