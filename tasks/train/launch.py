@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from prefect import task
 from pydantic import BaseModel
 
 from sftflow.tasks.fingerprint import sha256_file
@@ -258,17 +259,9 @@ def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
     )
 
 
-def _train_task_fn(config: TrainConfig) -> TrainResult:
+@task(name="train", retries=2, retry_delay_seconds=10)
+def train_task(config: TrainConfig) -> TrainResult:
+    """`train` as a Prefect task. A retry of this task run continues the run its failed attempt started."""
     from prefect.runtime import task_run
 
-    # A retry of this task run continues the run its failed attempt started.
     return train(config, resume=config.resume or task_run.run_count > 1)
-
-
-def make_train_task(retries: int = 2, retry_delay_seconds: float = 10):
-    from prefect import task
-
-    return task(name="train", retries=retries, retry_delay_seconds=retry_delay_seconds)(_train_task_fn)
-
-
-train_task = make_train_task()

@@ -1,0 +1,85 @@
+"""The train task on Prefect's real engine: a worker is SIGKILLed after a checkpoint, Prefect retries the task, the
+retry resumes from `latest`, and the final weights are bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tasks"))
+
+from train_helpers import losses, metrics, mock_config, read_safetensors  # noqa: E402
+
+from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
+from sftflow.tasks.train.config import TrainConfig  # noqa: E402
+from sftflow.tasks.train.launch import TrainResult, train, train_task  # noqa: E402
+from sftflow.tasks.train.mock import MockDataset  # noqa: E402
+from tests.flows.conftest import run_counts  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _train_flow():
+    from prefect import flow
+
+    @flow(name="train-resume-test")
+    def train_flow(config: TrainConfig) -> TrainResult:
+        return train_task.with_options(retries=1, retry_delay_seconds=0)(config)
+
+    return train_flow
+
+
+def test_killed_worker_is_retried_and_resumes_bit_identically(
+    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, monkeypatch
+):
+    mock = mock_config(len(tiny_tokenizer))
+    dataset = MockDataset(mock)
+    arrays, _ = plan(
+        dataset.lengths,
+        dataset.loss_token_counts,
+        PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=2),
+    )
+    (tmp_path / "plan").mkdir()
+    save_plan(arrays, tmp_path / "plan" / "plan.npz")
+    config = TrainConfig(
+        mock=mock,
+        plan=str(tmp_path / "plan"),
+        model="tiny-llama",
+        tokenizer=str(tiny_tokenizer_dir),
+        out=str(tmp_path / "reference"),
+        nproc=2,
+        num_threads=1,
+        lr=1e-2,
+        checkpoint_every=4,
+    )
+    train(config)
+
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("SFTFLOW_FAULT", "crash_after_step=6")  # rank 1 SIGKILLs itself after step 6, once
+    state = _train_flow()(config.model_copy(update={"out": str(crashed)}), return_state=True)
+
+    assert state.is_completed(), state
+    assert (crashed / "fault-fired").is_file()
+    assert sum(run_counts(state).values(), []) == [2]  # the one task run failed once and was retried once
+    assert [r["step"] for r in metrics(crashed)] == list(range(1, arrays.num_steps + 1))
+    assert losses(crashed) == losses(tmp_path / "reference")
+    want = read_safetensors(tmp_path / "reference" / "hf" / "model.safetensors")
+    got = read_safetensors(crashed / "hf" / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert _artifact_keys(state) >= {"train-progress", "train-metrics"}
+
+
+def _artifact_keys(flow_state) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key for a in artifacts if a.key}
