@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from sftflow.tasks.chat_template import ChatTemplate, load_template
 from sftflow.tasks.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
 from sftflow.tasks.records import RenderedDoc
+from sftflow.tasks.sharding import SourceRange, iter_range_records
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -174,52 +175,13 @@ def render_record(
 # ---------------------------------------------------------------------------------------------------------- sources
 
 
-def _iter_jsonl(path: Path, lines) -> Iterator[tuple[str, Any]]:
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        source = f"{path}:{lineno}"
-        try:
-            yield source, json.loads(line)
-        except json.JSONDecodeError as err:
-            yield source, RecordError(source, "line", f"is not valid JSON ({err.msg} at column {err.colno})")
+def iter_source_records(path: str | Path, source_range: SourceRange | None = None) -> Iterator[tuple[str, Any]]:
+    """Yield `(source, record)` for every record of a source, or of one shard of it (`sftflow.tasks.sharding`).
 
-
-def iter_source_records(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """Yield `(source, record)` for every record; a line that is not JSON yields a `RecordError` as its record."""
-    path = Path(path)
-    if path.is_dir():
-        import datasets
-
-        loaded = datasets.load_from_disk(str(path))
-        splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
-        for split, dataset in splits:
-            prefix = f"{path}[{split}]" if split is not None else str(path)
-            for row, record in enumerate(dataset):
-                yield f"{prefix}:{row}", record
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
-                yield f"{path}:{row}", record
-                row += 1
-    elif path.is_file():
-        with open(path, encoding="utf-8") as f:
-            head = f.read(4096).lstrip()
-            f.seek(0)
-            if path.suffix == ".json" and head.startswith("["):
-                try:
-                    records = json.load(f)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
-                for row, record in enumerate(records):
-                    yield f"{path}:{row}", record
-            else:
-                yield from _iter_jsonl(path, f)
-    else:
-        raise ValueError(f"{path}: source does not exist (expected a JSONL/JSON/Parquet file or a datasets folder)")
+    A line that is not JSON (or not UTF-8) yields a `RecordError` as its record. Sources name the whole file's line or
+    row, so a shard's records carry the same `source` strings as in an unsharded read.
+    """
+    return iter_range_records(path, source_range)
 
 
 def _atomic_jsonl(path: Path):
@@ -245,12 +207,13 @@ def render_source(
     config: RenderConfig,
     template: ChatTemplate | None,
     rejects_path: str | Path | None = None,
+    source_range: SourceRange | None = None,
 ) -> RenderStats:
     """Render every record of one source into a JSONL shard of `{"text", "train_char_spans", "source"}`.
 
     With `on_bad_record="reject"`, bad records go to `rejects_path` (default: `<out_path>.rejects.jsonl`) as
     `{"source", "field", "reason"}` and are counted; with "error" the first one raises its `RecordError`.
-    Both files are written atomically (temporary name, fsync, rename).
+    Both files are written atomically (temporary name, fsync, rename). `source_range` renders one shard of the source.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +228,7 @@ def render_source(
     tmp, out = _atomic_jsonl(out_path)
     rtmp, rout = _atomic_jsonl(rejects_path) if reject else (None, None)
     try:
-        for source, record in iter_source_records(source_path):
+        for source, record in iter_source_records(source_path, source_range):
             records += 1
             try:
                 if isinstance(record, RecordError):
