@@ -1,0 +1,206 @@
+"""Training pieces in one process: document isolation of packed rows, padded mode, config validation, schedules,
+metrics averages, checkpoint component checks and the launcher's process-group handling."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
+from sftflow.tasks.train.config import ScheduleConfig, TrainConfig
+from sftflow.tasks.train.model import CausalLMLoss, build_model, check_model, model_batch
+
+CPU = torch.device("cpu")
+
+
+def _docs(lengths, vocab=100, seed=0):
+    rng = np.random.default_rng(seed)
+    docs = []
+    for n in lengths:
+        ids = rng.integers(0, vocab, n)
+        docs.append((ids, np.array([[n // 3, n]], dtype=np.int32)))  # train the last two thirds, like a reply
+    return docs
+
+
+def _model(packed: bool) -> CausalLMLoss:
+    torch.manual_seed(0)
+    return CausalLMLoss(build_model("tiny-llama", vocab_size=100, packed=packed))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_row_loss_and_grads_equal_each_document_alone():
+    model = _model(packed=True)
+    docs = _docs([7, 1, 12, 5, 9])
+    per_doc = []
+    for doc in docs:
+        model.zero_grad()
+        loss = model(**model_batch(collate([doc], packed_collator()), CPU))
+        loss.backward()
+        per_doc.append((loss.detach(), _grads(model)))
+    model.zero_grad()
+    batch = collate(docs, packed_collator())
+    packed = model(**model_batch(batch, CPU))
+    packed.backward()
+    alone = sum(loss for loss, _ in per_doc)
+    assert batch["num_loss_tokens"] == sum(collate([d], packed_collator())["num_loss_tokens"] for d in docs)
+    assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item())
+    packed_grads = _grads(model)
+    for name, grad in packed_grads.items():
+        summed = sum(g[name] for _, g in per_doc if name in g)
+        torch.testing.assert_close(grad, summed, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_mode_gives_the_same_loss_as_packed_rows():
+    docs = _docs([7, 3, 12, 5])
+    packed = _model(packed=True)(**model_batch(collate(docs, packed_collator()), CPU))
+    padded = _model(packed=False)(**model_batch(collate(docs, padded_collator()), CPU))
+    torch.testing.assert_close(padded, packed, rtol=1e-5, atol=1e-6)
+
+
+def test_all_masked_micro_batch_is_a_graph_connected_zero():
+    model = _model(packed=True)
+    ids = np.arange(6)
+    batch = collate([(ids, np.zeros((0, 2), dtype=np.int32))], packed_collator())
+    loss = model(**model_batch(batch, CPU))
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+def test_varlen_attention_refuses_a_row_without_document_boundaries():
+    model = _model(packed=True)
+    batch = model_batch(collate(_docs([5, 6]), packed_collator()), CPU)
+    batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+    with pytest.raises(ValueError, match="refusing to attend across documents"):
+        model(**batch)
+
+
+def test_packing_needs_a_model_that_takes_custom_attention():
+    torch.manual_seed(0)
+    lm = build_model("tiny-llama", vocab_size=100, packed=False)
+    lm._supports_attention_backend = False
+    with pytest.raises(ValueError, match="mode='padded'"):
+        check_model(lm, packed=True, vocab_size=100, spec="tiny-llama")
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        check_model(build_model("tiny-llama", vocab_size=100, packed=False), packed=False, vocab_size=500, spec="x")
+
+
+def _config(**kw) -> TrainConfig:
+    base = dict(mock={"num_docs": 4}, plan="p", model="tiny-llama", out="o")
+    return TrainConfig.model_validate({**base, **kw})
+
+
+def test_config_validation_names_the_field():
+    assert _config(load_components="model,optimizer").load_components == ("model", "optimizer")
+    with pytest.raises(ValueError, match="unknown component.*'optimiser'"):
+        _config(load_components=["model", "optimiser"])
+    with pytest.raises(ValueError, match="exactly one data source"):
+        _config(data="idx")
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        _config(nnodes=2)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        _config(nnodes=2, node_rank=2, rdzv_endpoint="h:1", rdzv_id="r")
+
+
+def test_torchrun_command_single_and_multi_node():
+    from sftflow.tasks.train.launch import torchrun_command
+
+    single = torchrun_command(_config(nproc=4), Path("/run"))
+    assert "--standalone" in single and "--nproc-per-node=4" in single
+    assert single[-3:] == ["-m", "sftflow.tasks.train.worker", "/run"]
+    multi = torchrun_command(_config(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", rdzv_id="job7"), Path("/r"))
+    assert "--standalone" not in multi
+    for flag in (
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29500",
+        "--rdzv-id=job7",
+    ):
+        assert flag in multi
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    from sftflow.tasks.train.worker import lr_factor
+
+    c = ScheduleConfig(kind="cosine", warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
+    factors = [lr_factor(s, c) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
+    assert lr_factor(20, c) == pytest.approx(0.1)
+    linear = ScheduleConfig(kind="linear", warmup_steps=0, total_steps=10, min_lr_ratio=0.0)
+    assert lr_factor(5, linear) == pytest.approx(0.5)
+
+
+def test_bias_corrected_ema_starts_at_the_first_value():
+    from sftflow.tasks.train.metrics import BiasCorrectedEMA
+
+    ema = BiasCorrectedEMA(alpha=0.9)
+    assert ema.update(2.0) == pytest.approx(2.0)  # not 0.2: the zero start is corrected away
+    for _ in range(5):
+        assert ema.update(2.0) == pytest.approx(2.0)
+    assert 2.0 < ema.update(4.0) < 4.0
+
+
+def test_checkpoint_lacking_a_component_is_a_clear_error(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from sftflow.tasks.train.checkpoint import check_components, resolve_checkpoint
+
+    lm = build_model("tiny-llama", vocab_size=100, packed=False)
+    dcp.save({"model": lm.state_dict()}, checkpoint_id=str(tmp_path / "step-3"), no_dist=True)
+    check_components(tmp_path / "step-3", ("model",))
+    with pytest.raises(ValueError, match=r"has no \['optimizer'\]"):
+        check_components(tmp_path / "step-3", ("model", "optimizer"))
+    with pytest.raises(ValueError, match="not a DCP checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_existing_run_is_not_overwritten_without_resume(tmp_path):
+    from sftflow.tasks.train.launch import train
+
+    step = tmp_path / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (tmp_path / "checkpoints" / "latest").write_text("step-2")
+    with pytest.raises(ValueError, match="pass resume=True"):
+        train(_config(out=str(tmp_path)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def test_timeout_kills_the_whole_process_group():
+    from sftflow.tasks.train.launch import run_streaming
+
+    lines = []
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout_s=1"):
+        run_streaming(["bash", "-c", "sleep 60 & echo $!; wait"], dict(os.environ), 1.0, lines.append)
+    grandchild = int(lines[0])
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+    assert time.monotonic() - started < 30
+
+
+def test_streaming_returns_the_exit_code_and_every_line():
+    from sftflow.tasks.train.launch import run_streaming
+
+    lines = []
+    code = run_streaming(["bash", "-c", "echo one; echo two >&2; exit 3"], dict(os.environ), None, lines.append)
+    assert code == 3 and sorted(lines) == ["one", "two"]
