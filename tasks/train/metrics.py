@@ -106,6 +106,7 @@ class MetricsLogger:
         sum_sq_doc_lengths: float,
         seconds: float,
         skipped: str | None = None,
+        peak_memory_gib: float | None = None,
     ) -> dict:
         ema_step_time = self.step_time.update(seconds)
         tokens_per_s = tokens / seconds if seconds > 0 else math.nan
@@ -128,6 +129,7 @@ class MetricsLogger:
             "epoch_time_s": ema_step_time * self.steps_per_epoch,
             "eta_s": ema_step_time * (self.total_steps - step),
             "skipped": skipped,
+            "peak_memory_gib": peak_memory_gib,
         }
         if self.is_main:
             with self.config.path.open("a") as f:

@@ -69,20 +69,15 @@ def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: 
     A micro-batch without trained targets still runs forward and backward (the loss is a graph-connected zero), so
     FSDP's collectives stay in step across ranks.
     """
-    stats = torch.zeros(4, dtype=torch.float64)
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device: no sync per batch
+    counts = torch.zeros(3, dtype=torch.float64)
     for batch in batches:
         loss_sum = model(**model_batch(batch, device))
         (loss_sum / step_loss_tokens).backward()
+        loss_total += loss_sum.detach()
         lengths = batch["doc_lengths"].double()
-        stats += torch.stack(
-            [
-                loss_sum.detach().double().cpu(),
-                torch.tensor(float(batch["num_loss_tokens"])),
-                lengths.sum(),
-                (lengths**2).sum(),
-            ]
-        )
-    return stats
+        counts += torch.stack([torch.tensor(float(batch["num_loss_tokens"])), lengths.sum(), (lengths**2).sum()])
+    return torch.cat([loss_total.reshape(1), counts.to(device)])
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
@@ -191,11 +186,11 @@ def train(run_dir: Path) -> None:
         step_loss_tokens = int(plan.step_loss_tokens[step])
         skipped = None
         loss = grad_norm = None
-        local = torch.zeros(4, dtype=torch.float64)
+        totals = torch.zeros(4, dtype=torch.float64, device=env.device)
         if step_loss_tokens == 0:
             skipped = "no trained tokens in this step"  # every rank reads the same plan, so all skip together
         else:
-            local = forward_backward(model, batches(step), step_loss_tokens, env.device)
+            totals = forward_backward(model, batches(step), step_loss_tokens, env.device)
             if step + 1 in config.save_grads_at_steps:
                 save_full_grads(lm, Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors", env)
             grad_norm = clip_gradients(model, optim_c.grad_clip)
@@ -208,7 +203,6 @@ def train(run_dir: Path) -> None:
                 if nonfinite_in_a_row > optim_c.max_nonfinite_steps:
                     raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
             optimizer.zero_grad(set_to_none=True)
-        totals = local.to(env.device)
         dist.all_reduce(totals)
         loss_sum, targets, tokens, sum_sq = totals.tolist()
         if step_loss_tokens and int(targets) != step_loss_tokens:
@@ -235,6 +229,7 @@ def train(run_dir: Path) -> None:
             sum_sq_doc_lengths=sum_sq,
             seconds=time.perf_counter() - t0,
             skipped=skipped,
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if env.device.type == "cuda" else None,
         )
         if checkpointer.due(progress.step):
             checkpointer.save(progress.step)
