@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from sftflow.tasks.data_stages import IndexConfig
 from sftflow.tasks.eval_stage import EvalConfig
@@ -31,6 +31,21 @@ class DataConfig(BaseModel):
     task_runner: Literal["threads", "processes", "dask"] = "threads"
     workers: int | None = Field(default=None, ge=1, description="task-runner workers (default: the runner's own)")
     dask_address: str | None = Field(default=None, description="scheduler address of an existing Dask cluster")
+    shard_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="split each source into shards of about this many bytes (JSONL: byte ranges ending at a line end; "
+        "Parquet: whole row groups; datasets: rows of about this much Arrow data)",
+    )
+    shard_records: int | None = Field(
+        default=None, ge=1, description="or split each source into shards of this many lines (JSONL) or rows"
+    )
+
+    @model_validator(mode="after")
+    def _one_shard_size(self):
+        if self.shard_bytes is not None and self.shard_records is not None:
+            raise ValueError("data: give at most one of shard_bytes and shard_records")
+        return self
 
 
 _WIRED = {"data", "data_split", "plan", "out", "tokenizer", "mock"}
@@ -70,6 +85,7 @@ class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     work_dir: str = "sftflow-out"
+    train_retries: int = Field(2, ge=0, description="automatic resumes of a failed training run")
     demo: DemoConfig | None = None
     data: DataConfig | None = None
     plan: PlanSection = PlanSection()

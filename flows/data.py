@@ -17,7 +17,7 @@ from sftflow.tasks.data_stages import (
     index_task,
     pbin_task,
     render_task,
-    source_file,
+    source_files,
     spans_task,
     template_sha256,
     tokenizer_ref,
@@ -83,9 +83,19 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
     work.mkdir(parents=True, exist_ok=True)
     dcfg = data_config(cfg)
     tokenizer = tokenizer_ref(dcfg.tokenizer, work)
-    sources: list[SourceFile] = [source_file(s) for s in dcfg.sources]
+    # Shards in source order, each source's in file order: merged in that order, the index does not depend on them.
+    sources: list[SourceFile] = [
+        shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)
+    ]
     template_sha = template_sha256(dcfg.render, tokenizer)
-    logger.info("sft-data: %d source(s), template %s, tokenizer %s", len(sources), template_sha[:12], tokenizer.path)
+    logger.info(
+        "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
+        len(dcfg.sources),
+        len(sources),
+        template_sha[:12],
+        tokenizer.path,
+        dcfg.task_runner,
+    )
 
     options = {"refresh_cache": True} if force else {}
     render, spans, pbin, index = (t.with_options(**options) for t in (render_task, spans_task, pbin_task, index_task))

@@ -34,7 +34,7 @@ def sft_train(
     work = Path(cfg.work_dir).resolve()
     data = data or load_data_result(work)
     plan = plan or load_plan_result(work)
-    task = train_stage_task.with_options(refresh_cache=True) if force else train_stage_task
+    task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
     options = cfg.train.model_dump(mode="json")
     result = task(data.index, plan, data.tokenizer.path, data.tokenizer.sha256, options, str(work), fault=fault)
     write_stage_result(work, "train", result)

@@ -21,9 +21,21 @@ def prefect_harness(tmp_path_factory):
             yield
 
 
+_STAGE_OF_TASK = {
+    "render_task": "render",
+    "spans_task": "spans",
+    "pbin_task": "pbin",
+    "index_task": "index",
+    "plan_task": "plan",
+    "train_stage_task": "train",
+    "eval_task": "evaluate",
+}
+
+
 def _stage(run) -> str:
-    # task_key looks like "render_task-<hash>"; the stage is the task function's name without "_task".
-    return run.task_key.split("-")[0].removesuffix("_task")
+    # task_key looks like "render_task-<hash>": the task function's name, then a hash.
+    name = run.task_key.split("-")[0]
+    return _STAGE_OF_TASK.get(name, name)
 
 
 def task_states(flow_state) -> dict[str, list[str]]:
@@ -51,3 +63,29 @@ def run_counts(flow_state) -> dict[str, list[int]]:
     for run in runs:
         counts[_stage(run)].append(run.run_count)
     return dict(counts)
+
+
+class RecordedTaskRuns:
+    """Task runs created while the `with` block ran, over all flows and subflows (tests run one at a time)."""
+
+    def __enter__(self):
+        import datetime
+
+        self.start = datetime.datetime.now(datetime.timezone.utc)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def states(self) -> dict[str, list[str]]:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterEndTime
+
+        window = TaskRunFilter(end_time=TaskRunFilterEndTime(after_=self.start))
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(task_run_filter=window)
+        states: dict[str, list[str]] = defaultdict(list)
+        for run in runs:
+            if not run.name.startswith("sft-"):  # the placeholder task run of each subflow
+                states[_stage(run)].append(run.state.name)
+        return dict(states)

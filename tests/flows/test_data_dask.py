@@ -1,0 +1,119 @@
+"""`sft-data` on a real local Dask cluster (2 worker processes) and on threads, over a source split into shards.
+
+The output must not depend on the runner, nor (beyond which shard holds a document) on the shard size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sftflow.flows.config import DataConfig, SFTConfig
+from sftflow.flows.data import DataResult, sft_data
+from sftflow.tasks.demo import write_demo
+from sftflow.tasks.index import load_index
+from sftflow.tasks.pbin import open_pbin
+from tests.flows.conftest import task_states
+
+pytest.importorskip("prefect_dask")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> dict[str, Path]:
+    """Demo conversations with blank lines and one line that is not JSON, so line numbers and rejects matter."""
+    out = tmp_path_factory.mktemp("dask-data")
+    demo = write_demo(out / "demo", n=300)
+    lines = demo["data"].read_text().splitlines()
+    for at in range(len(lines) - 1, 0, -37):
+        lines.insert(at, "")
+    lines.insert(100, "{not json")
+    path = out / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return {"data": path, "tokenizer": demo["tokenizer"]}
+
+
+def _states(state, expected_runs: int) -> dict[str, list[str]]:
+    # The API records task-run states from events, a moment after the flow returns.
+    for _ in range(100):
+        states = task_states_or_none(state)
+        if states is not None and sum(len(v) for v in states.values()) == expected_runs:
+            return states
+        time.sleep(0.1)
+    return task_states(state)
+
+
+def task_states_or_none(state) -> dict[str, list[str]] | None:
+    try:
+        return task_states(state)
+    except AttributeError:  # a task run without a recorded state yet
+        return None
+
+
+def _run(dataset, work: Path, **data) -> tuple[DataResult, dict[str, list[str]]]:
+    config = DataConfig(
+        sources=[str(dataset["data"])],
+        tokenizer=str(dataset["tokenizer"]),
+        render={"template": "chatml", "on_bad_record": "reject"},
+        index={"eval_fraction": 0.2},
+        **data,
+    )
+    state = sft_data(config=SFTConfig(work_dir=str(work), data=config), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    return result, _states(state, expected_runs=3 * len(result.pbin) + 1)
+
+
+def _index_arrays(result: DataResult) -> dict[str, np.ndarray]:
+    index = load_index(result.index_dir)
+    return {name: getattr(index, name) for name in ("shard", "doc", "length", "loss_tokens", "content_hash", "split")}
+
+
+def _docs(result: DataResult) -> list[tuple[str, list[int], list[list[int]]]]:
+    docs = []
+    for shard in result.pbin:
+        with open_pbin(shard.path) as f:
+            docs += [(f.source(i), f.doc(i).tolist(), f.loss_spans(i).tolist()) for i in range(len(f))]
+    return docs
+
+
+def test_dask_cluster_output_is_byte_identical_to_threads(dataset, tmp_path):
+    shard_bytes = dataset["data"].stat().st_size // 5
+    threads, _ = _run(dataset, tmp_path / "threads", shard_bytes=shard_bytes, workers=2)
+    dask, states = _run(dataset, tmp_path / "dask", shard_bytes=shard_bytes, task_runner="dask", workers=2)
+
+    assert len(dask.pbin) >= 5
+    assert states["render"] == ["Completed"] * len(dask.pbin)
+    # Same shards, same bytes: the pbin files (header provenance included) and every index array.
+    assert [Path(p.path).read_bytes() for p in dask.pbin] == [Path(p.path).read_bytes() for p in threads.pbin]
+    assert [p.sha256 for p in dask.pbin] == [p.sha256 for p in threads.pbin]
+    for name, array in _index_arrays(threads).items():
+        np.testing.assert_array_equal(_index_arrays(dask)[name], array, err_msg=name)
+    assert dask.summary() | {"index": None} == threads.summary() | {"index": None}
+    with open_pbin(dask.pbin[1].path) as f:
+        assert f.provenance["source_range"].startswith("bytes ")
+        assert f.provenance["source_sha256"] == dask.rendered[0].source_sha256
+
+
+def test_shard_size_changes_which_shard_holds_a_doc_and_nothing_else(dataset, tmp_path):
+    whole, _ = _run(dataset, tmp_path / "whole")
+    by_bytes, _ = _run(dataset, tmp_path / "bytes", shard_bytes=4096)
+    by_lines, _ = _run(dataset, tmp_path / "lines", shard_records=50)
+
+    assert len(whole.pbin) == 1 and len(by_bytes.pbin) > 3 and len(by_lines.pbin) > 3
+    expected = _docs(whole)
+    assert expected[0][0] == f"{dataset['data'].resolve()}:1"
+    for sharded in (by_bytes, by_lines):
+        # The pbin docs concatenated in shard order are the unsharded docs, true line numbers included.
+        assert _docs(sharded) == expected
+        got, want = _index_arrays(sharded), _index_arrays(whole)
+        for name in ("length", "loss_tokens", "content_hash", "split"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert sharded.index.dropped == whole.index.dropped
+        assert sum(r.num_rejected for r in sharded.rendered) == 1
+        rejects = [json.loads(line) for r in sharded.rendered if r.rejects_path for line in open(r.rejects_path)]
+        assert [r["source"] for r in rejects] == [f"{dataset['data'].resolve()}:101"]
+    assert whole.index.dropped.get("duplicate", 0) > 0  # dedup across shard boundaries kept the same first copies

@@ -1,0 +1,115 @@
+"""The whole `sft` pipeline on Prefect's real engine with a real torchrun worker: caching across runs, what a config
+change reruns, and resuming a failed training run from its checkpoint without redoing data or plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sftflow.flows.config import SFTConfig
+from sftflow.flows.sft import sft
+from tests.flows.conftest import RecordedTaskRuns
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def _config(work_dir: Path, **train) -> SFTConfig:
+    return SFTConfig.model_validate(
+        {
+            "work_dir": str(work_dir),
+            "demo": {"records": 160},
+            "plan": {"tokens_per_rank": 512, "epochs": 1},
+            "train": {
+                "model_overrides": TINY,
+                "lr": 1e-3,
+                "max_steps": 6,
+                "checkpoint_every": 2,
+                "num_threads": 1,
+                **train,
+            },
+            "eval": {"max_docs": 8, "max_generations": 2, "num_examples": 1},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("sft")
+    with RecordedTaskRuns() as runs:
+        state = sft(config=_config(work), return_state=True)
+    return work, state, runs.states()
+
+
+def test_first_run_completes_every_stage(first_run):
+    _, state, states = first_run
+    assert state.is_completed()
+    assert {k: set(v) for k, v in states.items()} == {
+        "render": {"Completed"},
+        "spans": {"Completed"},
+        "pbin": {"Completed"},
+        "index": {"Completed"},
+        "plan": {"Completed"},
+        "train": {"Completed"},
+        "evaluate": {"Completed"},
+    }
+    result = state.result()
+    assert result.train.steps == 6
+    assert Path(result.train.hf_dir, "config.json").is_file()
+    assert set(result.eval.metrics) == {"base", "tuned"}
+    assert Path(result.eval.plot_path).is_file()
+
+
+def test_second_run_is_cached_end_to_end(first_run):
+    work, first, _ = first_run
+    with RecordedTaskRuns() as runs:
+        state = sft(config=_config(work), return_state=True)
+    assert state.is_completed()
+    states = runs.states()
+    assert all(set(v) == {"Cached"} for v in states.values()), states
+    assert state.result() == first.result()
+
+
+def test_learning_rate_change_reruns_only_train_and_eval(first_run):
+    work, first, _ = first_run
+    with RecordedTaskRuns() as runs:
+        state = sft(config=_config(work), learning_rate=5e-4, return_state=True)
+    assert state.is_completed()
+    states = runs.states()
+    for stage in ("render", "spans", "pbin", "index", "plan"):
+        assert states[stage] == ["Cached"], (stage, states)
+    assert states["train"] == ["Completed"] and states["evaluate"] == ["Completed"]
+    assert state.result().train.run_dir != first.result().train.run_dir
+
+
+def test_failed_training_resumes_on_a_fresh_run_without_redoing_data_or_plan(first_run, caplog):
+    work, _, _ = first_run
+    config = _config(work, seed=7).model_copy(update={"train_retries": 0})
+    with RecordedTaskRuns() as runs:
+        failed = sft(config=config, fault="crash_after_step=3", return_state=True)
+    assert failed.is_failed()
+    states = runs.states()
+    assert states["train"] == ["Failed"]
+    assert "evaluate" not in states
+
+    caplog.clear()
+    with RecordedTaskRuns() as runs:
+        state = sft(config=config, return_state=True)
+    assert state.is_completed()
+    states = runs.states()
+    for stage in ("render", "spans", "pbin", "index", "plan"):
+        assert states[stage] == ["Cached"], (stage, states)
+    assert states["train"] == ["Completed"]
+    run_dir = Path(state.result().train.run_dir)
+    assert (run_dir / "fault-fired").is_file()  # the crash happened in this run folder
+    # The crash came after step 3; the latest checkpoint was step 2, so the fresh run resumed there, not from scratch.
+    assert any("resumed all components from" in r.getMessage() and "step-2" in r.getMessage() for r in caplog.records)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the crashed attempt's step-3 line was replaced, not duplicated
