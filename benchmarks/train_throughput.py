@@ -1,0 +1,943 @@
+"""End-to-end training throughput on one GPU: sftflow's training step against what users run today.
+
+    python benchmarks/train_throughput.py [--modes A,B,C,D,Dc] [--out DIR]        # the issue-9 benchmark (H200)
+    python benchmarks/train_throughput.py --gpu-check DIR                         # the issue-4 worker check
+    python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
+
+Model: Llama-3.2-1B-shaped, random init (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab
+128256, tied embeddings). Data: `MockDataset` documents, lengths lognormal (median 600, sigma 1, clipped to
+[16, 4096]), loss spans train about half of each document's tokens. The rows come from `sftflow.tasks.plan.plan`
+(16,384 tokens per row, one row per optimizer step, one rank).
+
+Modes, all in one process, all with the same model init, fp32 master weights, bf16 compute (FSDP2 `fully_shard` per
+decoder layer and on the root, world size 1, bf16 params / fp32 reduce: the worker's wrapping), the worker's AdamW
+(`build_optimizer`), gradient clipping at 1.0, one optimizer step per micro-batch:
+
+- **A** (TRL's default collator): batches of 8 documents padded to the longest, HF `sdpa` attention with a padding
+  mask, HF's loss on materialised logits (`model(..., labels=...)`, mean over the batch's trained tokens).
+- **B** (best assembly of libraries): the same packed rows as D, torch `varlen_attn` registered as a transformers
+  attention function, Liger's fused linear cross-entropy (sum / trained tokens).
+- **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
+- **D** (sftflow): the worker's own step: `RankBatches` (plan rows through the collators), `forward_backward`
+  (`CausalLMLoss`: sftflow varlen attention + fused linear CE, loss / the plan's step trained-token count),
+  `clip_gradients`, `optimizer.step`, the all-reduce of the step's statistics, the scheduler and `MetricsLogger`.
+- **Dc** (experiment, not what `sftflow train` runs): D plus the regional compile of C; sftflow's attention function
+  runs under `torch.compiler.disable` (a graph break around it in each layer).
+
+Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
+(non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
+6 * layers * q_width * sum(doc_len^2)) / time / (measured bf16 matmul rate), N = decoder-layer parameters + LM head
+(the head matmul runs even when it is tied to the embedding). Peak memory: `max_memory_allocated` over the mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PRESETS = {
+    "llama1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+    ),
+}
+PAD_ID = 0
+BASELINE_ATTENTION = "bench_torch_varlen"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(device: str):
+    """A world of one (what torchrun --nproc-per-node 1 gives the worker), then the worker's own `init_distributed`."""
+    from sftflow.tasks.train.fsdp import init_distributed
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return init_distributed(device)
+
+
+def llama_config(preset: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**PRESETS[preset])
+
+
+def make_data(args, vocab_size: int, rows_needed: int):
+    """Mock documents and a plan with at least `rows_needed` rows of `args.row_tokens` tokens (one row per step)."""
+    from sftflow.tasks.plan import PlanConfig, plan
+    from sftflow.tasks.train.mock import MockConfig, MockDataset, sample_lengths
+
+    def mock(n: int) -> MockConfig:
+        return MockConfig(
+            num_docs=n,
+            vocab_size=vocab_size,
+            median_length=args.median_length,
+            sigma=1.0,
+            min_length=args.min_length,
+            max_length=args.max_length,
+            loss_spans=True,
+            seed=args.seed,
+        )
+
+    mean_len = float(sample_lengths(mock(4096)).mean())
+    num_docs = int(math.ceil(1.3 * rows_needed * args.row_tokens / mean_len)) + 16
+    dataset = MockDataset(mock(num_docs))
+    config = PlanConfig(num_ranks=1, tokens_per_rank=args.row_tokens, micro_batches_per_step=1, seed=args.seed)
+    arrays, stats = plan(dataset.lengths, dataset.loss_token_counts, config)
+    if arrays.num_steps < rows_needed:
+        raise ValueError(f"plan has {arrays.num_steps} steps; the benchmark needs {rows_needed}")
+    return dataset, arrays, stats
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def free_everything(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_everything_but_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def matmul_params(lm: nn.Module) -> int:
+    """Decoder-layer parameters plus the LM head's (V x H) matmul, counted once even when tied."""
+    from sftflow.tasks.train.model import decoder_layers
+
+    layers = sum(p.numel() for layer in decoder_layers(lm) for p in layer.parameters())
+    return layers + lm.get_output_embeddings().weight.numel()
+
+
+def shard_like_worker(root: nn.Module, lm: nn.Module, env, param_dtype: torch.dtype) -> nn.Module:
+    """The worker's FSDP2 wrapping (`sftflow.tasks.train.fsdp.shard_model`) around a baseline's own root module."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from sftflow.tasks.train.model import decoder_layers
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(lm):
+        fully_shard(layer, mesh=env.mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(root, mesh=env.mesh, mp_policy=mp, reshard_after_forward=False)
+    return root
+
+
+def compile_layers(lm: nn.Module) -> None:
+    """Regional compilation: each decoder layer's forward; FSDP's hooks stay outside the compiled region."""
+    from sftflow.tasks.train.model import decoder_layers
+
+    for layer in decoder_layers(lm):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def dynamo_stats() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+
+        return {k: dict(v) for k, v in counters.items() if k in ("stats", "recompiles", "graph_break")}
+    except Exception as err:  # diagnostics only
+        return {"error": repr(err)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# baselines B and C: torch varlen_attn as a transformers attention function, Liger's fused linear cross-entropy
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def register_baseline_attention(device: torch.device) -> str:
+    """Register `bench_torch_varlen` (torch `varlen_attn`, causal within each document). Returns what it runs.
+
+    The signature is inspected here, once, so the function itself stays free of Python introspection (compile)."""
+    from transformers import AttentionInterface
+
+    if device.type != "cuda":  # CPU plumbing runs only: the block-diagonal SDPA reference
+        from sftflow.kernels.attention import varlen_attention
+
+        def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+            out = varlen_attention(
+                query[0].transpose(0, 1),
+                key[0].transpose(0, 1),
+                value[0].transpose(0, 1),
+                kwargs["cu_seq_lens_q"],
+                kwargs["max_length_q"],
+                scaling,
+                backend="sdpa",
+            )
+            return out.unsqueeze(0), None
+
+        AttentionInterface.register(BASELINE_ATTENTION, attention)
+        return "sdpa block-diagonal reference (CPU)"
+
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        extra = dict(causal)
+        if gqa:
+            extra["enable_gqa"] = True
+        elif q.shape[1] != k.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **extra)
+        return out.unsqueeze(0), None
+
+    AttentionInterface.register(BASELINE_ATTENTION, attention)
+    return f"torch varlen_attn ({'enable_gqa' if gqa else 'repeated KV'}, {next(iter(causal))})"
+
+
+class LigerRoot(nn.Module):
+    """FSDP root for B/C: the base model to the final hidden states, then Liger's fused linear CE (sum)."""
+
+    def __init__(self, lm: nn.Module, device: torch.device):
+        super().__init__()
+        self.lm = lm
+        if device.type == "cuda":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            self.loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+            self.loss_name = "liger fused linear CE"
+        else:  # CPU plumbing runs only
+
+            def logits_ce(weight, hidden, labels):
+                return nn.functional.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum")
+
+            self.loss = logits_ce
+            self.loss_name = "F.cross_entropy on logits (CPU)"
+
+    def forward(self, input_ids, position_ids, labels, cu_seqlens, max_seqlen):
+        out = self.lm.base_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+        )
+        hidden = out.last_hidden_state
+        weight = self.lm.get_output_embeddings().weight
+        return self.loss(weight, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def packed_rows(plan, dataset, steps: int) -> list[dict]:
+    """The plan's first `steps` rows through the worker's packed collator (the rows D trains on)."""
+    from sftflow.tasks.train.collate import collate, packed_collator
+    from sftflow.tasks.train.data import plan_row
+
+    fns = packed_collator(PAD_ID)
+    return [collate([dataset[int(i)] for i in plan_row(plan, s, 0, 0)], fns) for s in range(steps)]
+
+
+def padded_batches(plan, dataset, steps: int, batch_size: int) -> list[dict]:
+    """TRL's default: the same document stream, `batch_size` documents per batch, padded to the longest. Labels in
+    Hugging Face's convention (unshifted: the model shifts them)."""
+    from sftflow.tasks.train.collate import IGNORE_INDEX, collate, padded_collator
+
+    fns = padded_collator(PAD_ID)
+    order = plan.doc_ids[: steps * batch_size]
+    batches = []
+    for s in range(steps):
+        docs = [dataset[int(i)] for i in order[s * batch_size : (s + 1) * batch_size]]
+        batch = collate(docs, fns)
+        hf_labels = torch.full_like(batch["labels"], IGNORE_INDEX)
+        hf_labels[:, 1:] = batch["labels"][:, :-1]  # ours: labels[t] is the target of t; HF: labels[t] is token t
+        batch["hf_labels"] = hf_labels
+        batches.append(batch)
+    return batches
+
+
+def batch_tokens(batch: dict) -> tuple[int, float]:
+    lengths = batch["doc_lengths"].double()
+    return int(lengths.sum()), float((lengths**2).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the modes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args, env, lm_config, dataset, plan, tflops):
+        self.args, self.env, self.device = args, env, env.device
+        self.lm_config, self.dataset, self.plan, self.tflops = lm_config, dataset, plan, tflops
+        from sftflow.tasks.train.fsdp import compute_dtype
+
+        self.param_dtype = compute_dtype(env, "auto")
+        from sftflow.tasks.train import config as cfg
+
+        self.on_oom = None
+        self.train_config = cfg.TrainConfig(mock=dataset.config, plan="unused", model="unused", out="unused")
+        self.optim_c = cfg.optim_config(self.train_config)
+
+    def build_lm(self, attn: str, packed_worker: bool) -> nn.Module:
+        """Same seed and config for every mode; built directly on the device (the worker builds on CPU and FSDP moves
+        it: the same module either way)."""
+        torch.manual_seed(self.args.seed)
+        with torch.device(self.device):
+            if packed_worker:
+                from sftflow.tasks.train.model import build_model
+
+                path = Path(self.args.tmp) / "model-config.json"
+                self.lm_config.to_json_file(str(path))
+                return build_model(str(path), vocab_size=self.dataset.config.vocab_size, packed=True)
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(self.lm_config, attn_implementation=attn).to(torch.float32)
+
+    def optimizer(self, model):
+        from sftflow.tasks.train.worker import build_optimizer, lr_factor
+
+        optimizer = build_optimizer(model, self.optim_c)
+        from sftflow.tasks.train import config as cfg
+
+        schedule = cfg.schedule_config(self.train_config, self.args.warmup + self.args.steps + 64)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule))
+        return optimizer, scheduler
+
+    def timed(self, name: str, step_fn, warmup: int, steps: int, extra: dict) -> dict:
+        """Run `warmup + steps` steps (`step_fn(i) -> (tokens, sum_sq_doc_lengths)`), synchronised timing."""
+        times, tokens, sum_sq, oom = [], [], [], 0
+        t_start = time.perf_counter()
+        for i in range(warmup + steps):
+            sync(self.device)
+            t0 = time.perf_counter()
+            try:
+                n, sq = step_fn(i)
+                sync(self.device)
+            except torch.cuda.OutOfMemoryError:
+                oom += 1
+                print(f"[{name}] step {i}: CUDA out of memory; step skipped", flush=True)
+                if self.on_oom is not None:
+                    self.on_oom()
+                free_everything_but_peak(self.device)
+                continue
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+                tokens.append(n)
+                sum_sq.append(sq)
+            if i == warmup - 1:
+                print(f"[{name}] warm-up done after {time.perf_counter() - t_start:.1f} s", flush=True)
+        return self.summarise(name, times, tokens, sum_sq, oom, extra)
+
+    def summarise(self, name, times, tokens, sum_sq, oom, extra) -> dict:
+        per_step = [n / t for n, t in zip(tokens, times, strict=True)]
+        flops = [
+            6 * self.n_matmul * n + 6 * self.n_layers * self.width * sq for n, sq in zip(tokens, sum_sq, strict=True)
+        ]
+        mfu = [f / t / (self.tflops * 1e12) for f, t in zip(flops, times, strict=True)] if self.tflops else []
+        result = {
+            "mode": name,
+            "timed_steps": len(times),
+            "oom_steps": oom,
+            "tokens_per_s": statistics.median(per_step) if per_step else None,
+            "tokens_per_s_aggregate": sum(tokens) / sum(times) if times else None,
+            "step_s_median": statistics.median(times) if times else None,
+            "tokens_per_step_mean": statistics.mean(tokens) if tokens else None,
+            "mfu": statistics.median(mfu) if mfu else None,
+            "tflops_per_s": statistics.median([f / t / 1e12 for f, t in zip(flops, times, strict=True)])
+            if times
+            else None,
+            "peak_gib": peak_gib(self.device),
+            "reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else None,
+            **extra,
+        }
+        print(f"[{name}] {json.dumps(result)}", flush=True)
+        return result
+
+    def set_shape(self, lm):
+        from sftflow.tasks.train.model import attention_width
+
+        self.n_matmul = matmul_params(lm)
+        self.n_layers = lm.config.num_hidden_layers
+        self.width = attention_width(lm.config)
+
+    # -- A ------------------------------------------------------------------------------------------------------------
+    def mode_a(self) -> dict:
+        args = self.args
+        batches = padded_batches(self.plan, self.dataset, args.warmup + args.steps, args.padded_batch)
+        lm = self.build_lm("sdpa", packed_worker=False)
+        self.set_shape(lm)
+        model = shard_like_worker(lm, lm, self.env, self.param_dtype)
+        optimizer, scheduler = self.optimizer(model)
+        device = self.device
+
+        def step(i):
+            b = batches[i]
+            out = model(
+                input_ids=b["input_ids"].to(device, non_blocking=True),
+                attention_mask=b["attention_mask"].to(device, non_blocking=True),
+                labels=b["hf_labels"].to(device, non_blocking=True),
+                use_cache=False,
+            )
+            out.loss.backward()
+            del out
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim_c.grad_clip, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return batch_tokens(b)
+
+        self.on_oom = lambda: optimizer.zero_grad(set_to_none=True)
+        padded = sum(b["input_ids"].numel() for b in batches[args.warmup :])
+        real = sum(batch_tokens(b)[0] for b in batches[args.warmup :])
+        extra = {
+            "what": "HF sdpa + padding mask, 8 docs/batch padded to longest, HF loss on logits",
+            "pad_efficiency": real / padded,
+        }
+        result = self.timed("A", step, args.warmup, args.steps, extra)
+        self.on_oom = None
+        return result
+
+    # -- B / C --------------------------------------------------------------------------------------------------------
+    def mode_bc(self, compiled: bool) -> dict:
+        args = self.args
+        name = "C" if compiled else "B"
+        warmup = args.compile_warmup if compiled else args.warmup
+        rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
+        attention = register_baseline_attention(self.device)
+        lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
+        self.set_shape(lm)
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers(lm)
+        root = LigerRoot(lm, self.device)
+        model = shard_like_worker(root, lm, self.env, self.param_dtype)
+        optimizer, scheduler = self.optimizer(model)
+        device = self.device
+
+        def step(i):
+            b = rows[i]
+            loss_sum = model(
+                input_ids=b["input_ids"].to(device, non_blocking=True),
+                position_ids=b["position_ids"].to(device, non_blocking=True),
+                labels=b["labels"].to(device, non_blocking=True),
+                cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
+                max_seqlen=int(b["max_seqlen"]),
+            )
+            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim_c.grad_clip, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return batch_tokens(b)
+
+        extra = {"what": f"{attention}, {root.loss_name}" + (", compiled layers (dynamic)" if compiled else "")}
+        result = self.timed(name, step, warmup, args.steps, extra)
+        if compiled:
+            result["dynamo"] = dynamo_stats()
+        return result
+
+    # -- D / Dc -------------------------------------------------------------------------------------------------------
+    def mode_d(self, compiled: bool, profile_dir: Path | None) -> dict:
+        """The worker's step (see `sftflow.tasks.train.worker.train`), on the plan's rows."""
+        from sftflow.tasks.train.data import RankBatches
+        from sftflow.tasks.train.fsdp import shard_model
+        from sftflow.tasks.train.metrics import MetricsLogger
+        from sftflow.tasks.train.model import attention_width, count_params
+        from sftflow.tasks.train.worker import clip_gradients, forward_backward
+
+        args, env, plan = self.args, self.env, self.plan
+        name = "Dc" if compiled else "D"
+        warmup = args.compile_warmup if compiled else args.warmup
+        lm = self.build_lm("", packed_worker=True)
+        self.set_shape(lm)
+        if compiled:
+            # Keep sftflow's attention (Triton kernels in an autograd.Function) out of the compiled graphs: a graph
+            # break around it, so a tracing problem there cannot fail the run. build_model registered the original.
+            from transformers import AttentionInterface
+
+            from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention
+
+            AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(sftflow_varlen_attention))
+            torch._dynamo.reset()
+            compile_layers(lm)
+        batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
+        model = shard_model(lm, env, self.param_dtype)
+        optimizer, scheduler = self.optimizer(model)
+        _, n_dense = count_params(lm)
+        from sftflow.tasks.train import config as cfg
+
+        metrics_path = Path(args.tmp) / f"metrics-{name}.jsonl"
+        metrics = MetricsLogger(
+            cfg.MetricsConfig(path=metrics_path, ema_alpha=0.9, log_every=10**9, peak_flops=None),
+            is_main=True,
+            total_steps=plan.num_steps,
+            steps_per_epoch=plan.steps_per_epoch,
+            num_devices=1,
+            flops_per_token=6 * n_dense,
+            attn_flops_per_sq_token=6 * lm.config.num_hidden_layers * attention_width(lm.config),
+            resume_step=0,
+        )
+        timings: dict[str, list[float]] = {}
+
+        def mark(key: str, t0: float, breakdown: bool) -> float:
+            if not breakdown:
+                return t0
+            sync(env.device)
+            now = time.perf_counter()
+            timings.setdefault(key, []).append(now - t0)
+            return now
+
+        def step(s, breakdown=False):
+            # -- the body of the worker's training loop, unchanged (skip/NaN branches elided: never taken here) --
+            t0 = time.perf_counter()
+            step_loss_tokens = int(plan.step_loss_tokens[s])
+            micro_batches = batches(s)
+            tb = mark("collate", t0, breakdown)
+            local = forward_backward(model, micro_batches, step_loss_tokens, env.device)
+            tb = mark("forward_backward", tb, breakdown)
+            grad_norm = clip_gradients(model, self.optim_c.grad_clip)
+            tb = mark("clip_gradients", tb, breakdown)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tb = mark("optimizer", tb, breakdown)
+            totals = local.to(env.device)
+            dist.all_reduce(totals)
+            loss_sum, targets, tokens, sum_sq = totals.tolist()
+            if int(targets) != step_loss_tokens:
+                raise AssertionError(f"step {s}: plan {step_loss_tokens} trained tokens, batches {int(targets)}")
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            metrics.log(
+                step=s + 1,
+                epoch=0,
+                loss=loss_sum / step_loss_tokens,
+                grad_norm=grad_norm,
+                lr=lr,
+                trained_tokens=step_loss_tokens,
+                tokens=int(tokens),
+                sum_sq_doc_lengths=sum_sq,
+                seconds=time.perf_counter() - t0,
+            )
+            mark("stats_sync_metrics", tb, breakdown)
+            return int(tokens), sum_sq
+
+        from sftflow.kernels.attention import select_backend as attention_backend
+        from sftflow.kernels.cross_entropy import select_backend as ce_backend
+
+        dtype = self.param_dtype
+        extra = {
+            "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
+            f"CE {ce_backend(env.device, dtype).name}" + (", compiled layers (dynamic)" if compiled else ""),
+        }
+        result = self.timed(name, step, warmup, args.steps, extra)
+        if compiled:
+            result["dynamo"] = dynamo_stats()
+        losses = [json.loads(line)["loss"] for line in metrics_path.read_text().splitlines()]
+        result["loss_first_last"] = [losses[0], losses[-1]]
+        first_extra = warmup + args.steps
+        if not compiled and args.breakdown_steps and first_extra + args.breakdown_steps <= plan.num_steps:
+            for s in range(first_extra, first_extra + args.breakdown_steps):
+                step(s, breakdown=True)
+            result["breakdown_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in timings.items()}
+            first_extra += args.breakdown_steps
+        if profile_dir is not None and args.profile_steps and first_extra + args.profile_steps <= plan.num_steps:
+            profiled = range(first_extra, first_extra + args.profile_steps)
+            result["profile"] = profile_steps(step, profiled, env.device, profile_dir / f"profile_{name}.txt")
+        return result
+
+
+def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
+    """torch.profiler over a few steps: the top kernels by device time, and device busy time over wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities, record_shapes=False) as prof:
+        for s in steps:
+            step_fn(s)
+        sync(device)
+    wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = averages.table(sort_by=sort_key, row_limit=60, max_name_column_width=90)
+    kernels = []
+    for event in averages:
+        t = getattr(event, "self_device_time_total", 0) or 0
+        if t > 0:
+            kernels.append((event.key, t / 1e3))
+    busy_ms = sum(t for _, t in kernels)
+    groups: dict[str, float] = {}
+    for key, t in kernels:
+        k = key.lower()
+        if "nccl" in k or "memcpy" in k or "memset" in k or "copy" in k:
+            group = "copies/nccl"
+        elif "gemm" in k or "nvjet" in k or "cutlass" in k or "sm90" in k or "xmma" in k or "cublas" in k:
+            group = "matmul (cuBLAS)"
+        elif any(w in k for w in ("attn", "attention", "flash", "fwd_kernel", "bwd_dq", "bwd_dkdv", "bwd_delta")):
+            group = "attention"
+        elif "ce_" in k or "cross" in k or "softmax" in k:
+            group = "cross-entropy / softmax"
+        elif "triton_" in k and "fused" in k:
+            group = "inductor fused (compiled layers)"
+        elif "triton" in k:
+            group = "other triton"
+        elif "adam" in k or "foreach" in k or "multi_tensor" in k:
+            group = "optimizer / foreach"
+        else:
+            group = "other kernels"
+        groups[group] = groups.get(group, 0.0) + t
+    n = len(steps)
+    summary = {
+        "steps": n,
+        "wall_ms_per_step": 1e3 * wall / n,
+        "device_busy_ms_per_step": busy_ms / n,
+        "groups_ms_per_step": {k: round(v / n, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n\n" + table + "\n")
+    print(f"[profile] {json.dumps(summary)}", flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the issue-4 GPU check: the real worker under torchrun, crash after a checkpoint, resume
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=240.0, device="cuda") -> dict:
+    """Train a small real-shaped Llama (8 layers, hidden 1024, vocab 32k; bf16 on CUDA) with `sftflow`'s worker
+    under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the worker's fault hook), then a
+    `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only)."""
+    from transformers import LlamaConfig
+
+    from sftflow.tasks.plan import PlanConfig, plan, save_plan
+    from sftflow.tasks.train.config import TrainConfig, write_run_json
+    from sftflow.tasks.train.launch import input_manifests, torchrun_command
+    from sftflow.tasks.train.mock import MockConfig, MockDataset
+
+    work.mkdir(parents=True, exist_ok=True)
+    small = device == "cpu"
+    vocab, row = (512, 256) if small else (32000, 16384)
+    mock = MockConfig(
+        num_docs=320 if small else 900,
+        vocab_size=vocab,
+        median_length=24 if small else 600,
+        sigma=1.0,
+        min_length=4 if small else 16,
+        max_length=96 if small else 4096,
+        loss_spans=True,
+    )
+    dataset = MockDataset(mock)
+    arrays, _ = plan(
+        dataset.lengths,
+        dataset.loss_token_counts,
+        PlanConfig(num_ranks=1, tokens_per_rank=row, micro_batches_per_step=1),
+    )
+    (work / "plan").mkdir(exist_ok=True)
+    save_plan(arrays, work / "plan" / "plan.npz")
+    model_json = work / "model.json"
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64 if small else 1024,
+        num_hidden_layers=2 if small else 8,
+        num_attention_heads=4 if small else 16,
+        num_key_value_heads=2 if small else 8,
+        head_dim=16 if small else 64,
+        intermediate_size=128 if small else 4096,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+    ).to_json_file(str(model_json))
+    run_dir = work / "run"
+    config = TrainConfig(
+        mock=mock,
+        plan=str(work / "plan"),
+        model=str(model_json),
+        out=str(run_dir),
+        max_steps=steps,
+        checkpoint_every=10,
+        keep_last=2,
+        warmup_steps=3,
+        lr=3e-4,
+        device=device,
+        num_threads=1 if small else None,
+    )
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    logs = []
+
+    def attempt(cfg, fault: str | None) -> tuple[int, float, str]:
+        write_run_json(cfg, input_manifests(cfg), run_dir / "run.json")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("SFTFLOW_FAULT", None)
+        if fault:
+            env["SFTFLOW_FAULT"] = fault
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            torchrun_command(cfg, run_dir), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        out = proc.stdout + proc.stderr
+        logs.append(out)
+        return proc.returncode, time.perf_counter() - t0, out
+
+    code1, wall1, out1 = attempt(config, f"crash_after_step={crash_after}")
+    code2, wall2, out2 = attempt(config.model_copy(update={"resume": True}), None)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_logged = [r["step"] for r in records]
+    peak = [line for line in out2.splitlines() if "peak memory" in line]
+    resumed = [line for line in out2.splitlines() if "resumed" in line]
+    timed = [r for r in records if r["step"] > 3 and r["step"] not in (crash_after + 1,)]
+    hf = run_dir / "hf"
+    result = {
+        "first_attempt_exit": code1,
+        "first_attempt_wall_s": round(wall1, 1),
+        "resume_exit": code2,
+        "resume_wall_s": round(wall2, 1),
+        "resume_line": resumed[0] if resumed else None,
+        "steps_logged": steps_logged,
+        "steps_ok": steps_logged == list(range(1, steps + 1)),
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]] if records else None,
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
+        "mfu_median_worker_estimate": statistics.median(r["mfu"] for r in timed) if timed and timed[0]["mfu"] else None,
+        "peak_memory_line": peak[0] if peak else None,
+        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+        "hf_export": sorted(p.name for p in hf.iterdir()) if hf.is_dir() else None,
+    }
+    if code2 == 0 and hf.is_dir():
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(str(hf))
+        result["hf_reload_params"] = sum(p.numel() for p in reloaded.parameters())
+    (work / "gpu_check_log.txt").write_text("\n\n===== resume =====\n\n".join(logs))
+    print(f"[gpu-check] {json.dumps(result)}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton", "liger_kernel"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name.replace("_", "-"))
+        except Exception:
+            out[name] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def markdown(report: dict) -> str:
+    results = {r["mode"]: r for r in report["results"] if r.get("tokens_per_s")}
+    a, b = results.get("A"), results.get("B")
+    lines = [
+        "| mode | what | tokens/s (median) | aggregate tokens/s | MFU | peak GiB | × A | × B | timed steps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        if not r.get("tokens_per_s"):
+            lines.append(f"| {r['mode']} | failed: {r.get('error', '?')[:120]} | | | | | | | |")
+            continue
+        tps = r["tokens_per_s"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        xa = f"{tps / a['tokens_per_s']:.2f}" if a else "-"
+        xb = f"{tps / b['tokens_per_s']:.2f}" if b else "-"
+        lines.append(
+            f"| {r['mode']} | {r['what']} | {tps:,.0f} | {r['tokens_per_s_aggregate']:,.0f} | {mfu} | {peak} | "
+            f"{xa} | {xb} | {r['timed_steps']}" + (f" ({r['oom_steps']} OOM)" if r.get("oom_steps") else "") + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="D,B,A,C,Dc", help="comma-separated subset of A,B,C,D,Dc, run in this order")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--row-tokens", type=int, default=16384)
+    p.add_argument("--padded-batch", type=int, default=8)
+    p.add_argument("--median-length", type=int, default=600)
+    p.add_argument("--min-length", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--compile-warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--breakdown-steps", type=int, default=4)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
+    p.add_argument("--out", default=None, help="folder for train_throughput.json/.md and profiles")
+    p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the issue-4 worker check in DIR first")
+    p.add_argument("--gpu-check-only", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "args": vars(args),
+        "results": [],
+    }
+    if args.gpu_check:
+        try:
+            report["gpu_check"] = gpu_check(Path(args.gpu_check), device=args.device)
+        except Exception as err:
+            traceback.print_exc()
+            report["gpu_check"] = {"error": repr(err)}
+        if out is not None:
+            (out / "train_throughput.json").write_text(json.dumps(report, indent=2))
+        if args.gpu_check_only:
+            return report
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"A", "B", "C", "D", "Dc"}
+    if unknown:
+        raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected A, B, C, D, Dc")
+    env = init_single_process(args.device)
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    lm_config = llama_config(args.preset)
+    rows_needed = max(args.warmup, args.compile_warmup) + args.steps + args.breakdown_steps + args.profile_steps
+    dataset, plan_arrays, stats = make_data(args, lm_config.vocab_size, rows_needed)
+    report["data"] = {
+        "docs": len(dataset),
+        "mean_length": float(dataset.lengths.mean()),
+        "trained_fraction": float(dataset.loss_token_counts.sum() / dataset.lengths.sum()),
+        "plan_efficiency": stats.efficiency,
+        "plan_steps": plan_arrays.num_steps,
+    }
+    report["matmul_tflops"] = matmul_tflops(env.device)
+    print(f"[setup] {json.dumps({k: report[k] for k in ('versions', 'data', 'matmul_tflops')})}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
+        bench = Bench(args, env, lm_config, dataset, plan_arrays, report["matmul_tflops"])
+        runners = {
+            "A": bench.mode_a,
+            "B": partial(bench.mode_bc, compiled=False),
+            "C": partial(bench.mode_bc, compiled=True),
+            "D": partial(bench.mode_d, compiled=False, profile_dir=out),
+            "Dc": partial(bench.mode_d, compiled=True, profile_dir=out),
+        }
+        for mode in modes:
+            if time.perf_counter() - t_start > args.budget_s:
+                report["results"].append({"mode": mode, "error": "skipped: time budget spent"})
+                continue
+            free_everything(env.device)
+            t_mode = time.perf_counter()
+            try:
+                result = runners[mode]()
+            except Exception as err:
+                traceback.print_exc()
+                result = {"mode": mode, "error": f"{type(err).__name__}: {err}"}
+            result["mode_wall_s"] = round(time.perf_counter() - t_mode, 1)
+            report["results"].append(result)
+            with contextlib.suppress(Exception):
+                torch._dynamo.reset()
+            if out is not None:
+                (out / "train_throughput.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    print(table, flush=True)
+    if out is not None:
+        (out / "train_throughput.md").write_text(table)
+        (out / "train_throughput.json").write_text(json.dumps(report, indent=2))
+    dist.destroy_process_group()
+    return report
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,34 @@
+"""Smoke run of benchmarks/train_throughput.py on CPU: the sftflow mode (the worker's own step) runs 2 timed steps on
+a tiny Llama and reports real tokens per second. Plumbing only; no timing checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
+
+
+def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--modes", "D"]
+    cmd += ["--row-tokens", "256", "--median-length", "24", "--min-length", "4", "--max-length", "96"]
+    cmd += ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "--profile-steps", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "train_throughput.json").read_text())
+    results = {r["mode"]: r for r in report["results"]}
+    assert set(results) == {"D"}
+    for mode in ("D",):
+        assert "error" not in results[mode], results[mode]
+        assert results[mode]["timed_steps"] == 2
+        assert results[mode]["tokens_per_s"] > 0
+    d = results["D"]
+    assert all(math.isfinite(x) for x in d["loss_first_last"])
+    phases = {"collate", "forward_backward", "clip_gradients", "optimizer", "stats_sync_metrics"}
+    assert set(d["breakdown_ms_median"]) == phases
+    assert 0.3 < report["data"]["trained_fraction"] < 0.7
+    assert "| D |" in (out / "train_throughput.md").read_text()
