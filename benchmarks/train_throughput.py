@@ -688,7 +688,7 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=240.0, device="cuda") -> dict:
+def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cuda", out: Path | None = None) -> dict:
     """Train a small real-shaped Llama (8 layers, hidden 1024, vocab 32k; bf16 on CUDA) with `sftflow`'s worker
     under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the worker's fault hook), then a
     `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only)."""
@@ -790,7 +790,10 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=240.0, device="cud
 
         reloaded = AutoModelForCausalLM.from_pretrained(str(hf))
         result["hf_reload_params"] = sum(p.numel() for p in reloaded.parameters())
-    (work / "gpu_check_log.txt").write_text("\n\n===== resume =====\n\n".join(logs))
+    for folder in (work, out):
+        if folder is not None:
+            (folder / "gpu_check_log.txt").write_text("\n\n===== resume =====\n\n".join(logs))
+            (folder / "gpu_check_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
     print(f"[gpu-check] {json.dumps(result)}", flush=True)
     return result
 
@@ -874,7 +877,7 @@ def main(argv=None) -> dict:
     }
     if args.gpu_check:
         try:
-            report["gpu_check"] = gpu_check(Path(args.gpu_check), device=args.device)
+            report["gpu_check"] = gpu_check(Path(args.gpu_check), device=args.device, out=out)
         except Exception as err:
             traceback.print_exc()
             report["gpu_check"] = {"error": repr(err)}
@@ -917,6 +920,7 @@ def main(argv=None) -> dict:
                 report["results"].append({"mode": mode, "error": "skipped: time budget spent"})
                 continue
             free_everything(env.device)
+            left_over = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
             t_mode = time.perf_counter()
             try:
                 result = runners[mode]()
@@ -924,6 +928,7 @@ def main(argv=None) -> dict:
                 traceback.print_exc()
                 result = {"mode": mode, "error": f"{type(err).__name__}: {err}"}
             result["mode_wall_s"] = round(time.perf_counter() - t_mode, 1)
+            result["allocated_before_mode_gib"] = left_over  # earlier modes' leftovers (dynamo caches), in the peak
             report["results"].append(result)
             with contextlib.suppress(Exception):
                 torch._dynamo.reset()
