@@ -1,0 +1,46 @@
+"""Serve every sftflow deployment from this process, without a work pool.
+
+    prefect server start                      # in another terminal (or use Prefect Cloud)
+    python deployments/serve.py               # registers and serves the deployments below
+    prefect deployment run sft/full --watch
+
+`SFTFLOW_CONFIG` picks the config file the deployments use by default (default: deployments/configs/demo.yaml);
+any run can pass another with `-p config_path=...`. `SFTFLOW_REFRESH_CRON` sets the data refresh schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import serve
+
+from sftflow.flows.data import sft_data
+from sftflow.flows.eval import sft_eval
+from sftflow.flows.plan import sft_plan
+from sftflow.flows.sft import sft
+from sftflow.flows.train import sft_train
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "demo.yaml"
+
+
+def deployments(config_path: str, refresh_cron: str = "0 3 * * *"):
+    params = {"config_path": config_path}
+    return [
+        sft.to_deployment(name="full", parameters=params, description="The whole pipeline: data → plan → train → eval"),
+        sft_data.to_deployment(
+            name="refresh",
+            parameters=params,
+            cron=refresh_cron,
+            description="Re-render and re-index when the sources changed; a cached no-op when they did not",
+        ),
+        sft_plan.to_deployment(name="rerun", parameters=params, description="Re-plan from the latest data result"),
+        sft_train.to_deployment(name="rerun", parameters=params, description="Rerun (or resume) training alone"),
+        sft_eval.to_deployment(name="rerun", parameters=params, description="Re-evaluate the latest trained model"),
+    ]
+
+
+if __name__ == "__main__":
+    config = os.environ.get("SFTFLOW_CONFIG", str(DEFAULT_CONFIG))
+    serve(*deployments(config, os.environ.get("SFTFLOW_REFRESH_CRON", "0 3 * * *")))

@@ -1,0 +1,139 @@
+"""Deployments for real: a `prefect server`, `deployments/serve.py`, and `prefect deployment run ... --watch`.
+
+Everything runs on this machine's loopback address and is shut down by PID at the end (serve first, then server).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
+        DO_NOT_TRACK="1",
+    )
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen(
+        ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _wait(lambda: _healthy(api) or server.poll() is not None, 180, "prefect server")
+        assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+        yield env, home
+    finally:
+        _stop(server)
+        log.close()
+
+
+@pytest.mark.slow
+def test_serve_and_run_deployments(prefect_server, tmp_path):
+    env, home = prefect_server
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "work_dir": str(tmp_path / "work"),
+                "demo": {"records": 120},
+                "plan": {"tokens_per_rank": 512},
+                "train": {"model_overrides": TINY, "lr": 1e-3, "max_steps": 4, "checkpoint_every": 2},
+                "eval": {"max_docs": 8, "max_generations": 2, "num_examples": 1},
+            }
+        )
+    )
+    serve_env = dict(env, SFTFLOW_CONFIG=str(config))
+    serve_log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [sys.executable, str(REPO / "deployments" / "serve.py")],
+        env=serve_env,
+        cwd=tmp_path,
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def prefect(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(["prefect", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+    try:
+        served = lambda: prefect("deployment", "inspect", "sft-eval/rerun", timeout=60).returncode == 0  # noqa: E731
+        _wait(served, 120, "deployments")
+        listing = prefect("deployment", "ls", timeout=60).stdout
+        for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun"):
+            assert name in listing, listing
+        refresh = prefect("deployment", "inspect", "sft-data/refresh", timeout=60).stdout
+        assert "0 3 * * *" in refresh  # the nightly schedule
+
+        full = prefect("deployment", "run", "sft/full", "--watch", "--watch-timeout", "900", timeout=960)
+        assert full.returncode == 0, full.stdout + full.stderr + (tmp_path / "serve.log").read_text()[-4000:]
+        assert "Completed" in full.stdout
+        assert (tmp_path / "work" / "eval.json").is_file()
+
+        # A stage rerun reads the latest upstream results: training is Cached, nothing upstream runs again.
+        rerun = prefect("deployment", "run", "sft-train/rerun", "--watch", "--watch-timeout", "300", timeout=360)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        log = (tmp_path / "serve.log").read_text()
+        assert "Finished in state Cached" in log
+    finally:
+        _stop(serve)
+        serve_log.close()
