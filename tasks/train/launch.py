@@ -141,17 +141,22 @@ class _Progress:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the whole process group, then SIGKILL whatever is left after a grace period."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM the whole process group (torchrun forwards it to its workers), SIGKILL whatever is left after a grace
+    period. Also run after a normal exit: a worker that outlived its agent must not keep a GPU."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return  # the group is gone: every process of the run has exited
+    try:
         proc.wait(timeout=_KILL_GRACE_S)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
 class _Cancelled(BaseException):
