@@ -137,3 +137,19 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
     finally:
         _stop(serve)
         serve_log.close()
+
+
+def test_prefect_yaml_deploys_to_a_process_pool(prefect_server):
+    env, _ = prefect_server
+    env = dict(env, SFTFLOW_HOME=str(REPO))
+
+    def prefect(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["prefect", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    pool = prefect("work-pool", "create", "sftflow-process", "--type", "process")
+    assert pool.returncode == 0, pool.stdout + pool.stderr
+    deployed = prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    listing = prefect("deployment", "ls").stdout
+    for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun"):
+        assert name in listing, listing
