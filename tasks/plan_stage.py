@@ -10,7 +10,6 @@ from prefect import task
 from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
 from sftflow.tasks.fingerprint import sha256_file
 from sftflow.tasks.manifests import DatasetIndex, Manifest
-from sftflow.tasks.pbin import open_pbin
 from sftflow.tasks.plan import PLAN_FORMAT_VERSION, PlanConfig, PlanStats, plan, save_plan
 from sftflow.tasks.reader import IndexedDataset
 
@@ -21,32 +20,9 @@ class PlanManifest(Manifest):
     stats: PlanStats
 
 
-def trainable_target_counts(dataset: IndexedDataset) -> np.ndarray:
-    """Per item: loss tokens that are real targets, i.e. excluding a document's first token (nothing predicts it).
-
-    This is what the collator counts, so the plan's per-step denominators equal the tokens the loss sums over.
-    """
-    counts = np.asarray(dataset.loss_token_counts, dtype=np.int64).copy()
-    first_trained = np.zeros(len(counts), dtype=bool)
-    for s, path in enumerate(dataset.index.shard_paths):
-        rows = np.flatnonzero(dataset._shard == s)
-        if len(rows) == 0:
-            continue
-        with open_pbin(path) as f:
-            docs = dataset._doc[rows]
-            if not f.has_spans:  # every token trained, token 0 included
-                first_trained[rows] = True
-                continue
-            span_offsets, spans = f.section("span_offsets"), f.section("spans")
-            has_span = span_offsets[docs + 1] > span_offsets[docs]
-            first_start = np.where(has_span, spans.reshape(-1, 2)[np.minimum(span_offsets[docs], len(spans) - 1), 0], 1)
-            first_trained[rows] = has_span & (first_start == 0)
-    return counts - first_trained
-
-
 def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, split: str = "train"):
     dataset = IndexedDataset(index_dir, split=split)
-    arrays, stats = plan(np.asarray(dataset.lengths), trainable_target_counts(dataset), config)
+    arrays, stats = plan(np.asarray(dataset.lengths), dataset.trainable_target_counts(), config)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, out_dir / "plan.npz")
     (out_dir / "stats.json").write_text(stats.model_dump_json(indent=2))
