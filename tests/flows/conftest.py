@@ -28,6 +28,7 @@ _STAGE_OF_TASK = {
     "index_task": "index",
     "plan_task": "plan",
     "train_stage_task": "train",
+    "_train_task_fn": "train",
     "eval_task": "evaluate",
 }
 
@@ -89,3 +90,16 @@ class RecordedTaskRuns:
             if not run.name.startswith("sft-"):  # the placeholder task run of each subflow
                 states[_stage(run)].append(run.state.name)
         return dict(states)
+
+
+def run_cli(*args: str, timeout: float = 600):
+    """Run the `sftflow` console script as a user would, against the test harness's API server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    exe = Path(sys.executable).with_name("sftflow")
+    return subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=timeout)

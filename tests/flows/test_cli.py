@@ -1,0 +1,42 @@
+"""`sftflow plan` run as scripts call it (the data command is tested in test_data_flow.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from sftflow.tasks.demo import write_demo
+from tests.flows.conftest import run_cli
+
+
+def test_plan_from_lengths_prints_the_stats_contract(tmp_path):
+    lengths = np.random.default_rng(0).integers(16, 800, size=5000)
+    np.save(tmp_path / "lengths.npy", lengths)
+    args = ["plan", "--lengths", str(tmp_path / "lengths.npy"), "--num-ranks", "4", "--tokens-per-rank", "2048"]
+    result = run_cli(*args, "--out", str(tmp_path / "plan"), "--stats-json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    keys = {"efficiency", "token_imbalance", "cost_imbalance", "num_steps", "num_rows", "planning_seconds"}
+    keys.add("dropped_docs")
+    assert keys <= set(stats)
+    assert 0.9 < stats["efficiency"] <= 1.0
+    with np.load(tmp_path / "plan" / "plan.npz") as plan:
+        assert int(plan["num_ranks"]) == 4
+        assert sorted(plan["doc_ids"].tolist()) == list(range(len(lengths)))
+
+
+def test_plan_from_data_and_bad_arguments(tmp_path):
+    demo = write_demo(tmp_path / "demo", n=80)
+    data = tmp_path / "data"
+    result = run_cli("data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data))
+    assert result.returncode == 0, result.stderr
+    result = run_cli("plan", "--data", str(data), "--tokens-per-rank", "512", "--out", str(tmp_path / "p"), "--stats")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "p" / "plan.npz").is_file()
+    assert json.loads(result.stdout)["num_steps"] > 0
+
+    result = run_cli("plan", "--tokens-per-rank", "512", "--out", str(tmp_path / "q"))
+    assert result.returncode == 2 and "exactly one of --data" in result.stderr
+    result = run_cli("plan", "--data", str(data), "--mode", "zigzag", "--out", str(tmp_path / "q"))
+    assert result.returncode == 2 and "mode" in result.stderr and "Traceback" not in result.stderr
