@@ -23,6 +23,8 @@ decoder layer and on the root, world size 1, bf16 params / fp32 reduce: the work
   `clip_gradients`, `optimizer.step`, the all-reduce of the step's statistics, the scheduler and `MetricsLogger`.
 - **Dc** (experiment, not what `sftflow train` runs): D plus the regional compile of C; sftflow's attention function
   runs under `torch.compiler.disable` (a graph break around it in each layer).
+- **Df** (experiment): D with `torch.optim.AdamW(fused=True)` (same groups and hyper-parameters).
+- **Dx** (experiment): Dc + Df + RoPE computed in the projections' (B, T, H, D) layout (`tmajor_rope`).
 
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
@@ -82,6 +84,7 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
+MODES = ("A", "B", "C", "D", "Dc", "Df", "Dx")
 BASELINE_ATTENTION = "bench_torch_varlen"
 
 
@@ -207,6 +210,33 @@ def compile_layers(lm: nn.Module) -> None:
 
     for layer in decoder_layers(lm):
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+@contextlib.contextmanager
+def tmajor_rope(enabled: bool):
+    """Experiment: Llama's `apply_rotary_pos_emb` computed in the (B, T, H, D) layout the projections produce.
+
+    Eager already keeps that layout, but inductor's fused RoPE kernel writes the (B, H, T, D) shape contiguously (a
+    transposing, uncoalesced write: ~0.4 ms per layer forward at T=16384 in the first H200 run). Same values."""
+    if not enabled:
+        yield
+        return
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        q_embed = qt * c + modeling_llama.rotate_half(qt) * s
+        k_embed = kt * c + modeling_llama.rotate_half(kt) * s
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+
+    modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
+    try:
+        yield
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
 
 
 def dynamo_stats() -> dict:
@@ -375,10 +405,13 @@ class Bench:
 
             return AutoModelForCausalLM.from_config(self.lm_config, attn_implementation=attn).to(torch.float32)
 
-    def optimizer(self, model):
+    def optimizer(self, model, fused: bool = False):
         from sftflow.tasks.train.worker import build_optimizer, lr_factor
 
         optimizer = build_optimizer(model, self.optim_c)
+        if fused:  # experiment: the same groups and hyper-parameters, one fused kernel instead of foreach passes
+            groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in optimizer.param_groups]
+            optimizer = torch.optim.AdamW(groups, fused=True)
         from sftflow.tasks.train import config as cfg
 
         schedule = cfg.schedule_config(self.train_config, self.args.warmup + self.args.steps + 64)
@@ -445,22 +478,25 @@ class Bench:
 
     # -- A ------------------------------------------------------------------------------------------------------------
     def mode_a(self) -> dict:
+        """What the HF Trainer / TRL run on one GPU with bf16=True: the plain model with fp32 weights under bf16
+        autocast (no FSDP), the same AdamW. A batch that runs out of memory is skipped and counted."""
         args = self.args
         batches = padded_batches(self.plan, self.dataset, args.warmup + args.steps, args.padded_batch)
-        lm = self.build_lm("sdpa", packed_worker=False)
-        self.set_shape(lm)
-        model = shard_like_worker(lm, lm, self.env, self.param_dtype)
+        model = self.build_lm("sdpa", packed_worker=False)
+        self.set_shape(model)
         optimizer, scheduler = self.optimizer(model)
         device = self.device
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
         def step(i):
             b = batches[i]
-            out = model(
-                input_ids=b["input_ids"].to(device, non_blocking=True),
-                attention_mask=b["attention_mask"].to(device, non_blocking=True),
-                labels=b["hf_labels"].to(device, non_blocking=True),
-                use_cache=False,
-            )
+            with autocast:
+                out = model(
+                    input_ids=b["input_ids"].to(device, non_blocking=True),
+                    attention_mask=b["attention_mask"].to(device, non_blocking=True),
+                    labels=b["hf_labels"].to(device, non_blocking=True),
+                    use_cache=False,
+                )
             out.loss.backward()
             del out
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim_c.grad_clip, foreach=True)
@@ -473,12 +509,13 @@ class Bench:
         padded = sum(b["input_ids"].numel() for b in batches[args.warmup :])
         real = sum(batch_tokens(b)[0] for b in batches[args.warmup :])
         extra = {
-            "what": "HF sdpa + padding mask, 8 docs/batch padded to longest, HF loss on logits",
+            "what": "HF sdpa + padding mask, 8 docs/batch padded to longest, HF loss on logits, bf16 autocast, no FSDP",
             "pad_efficiency": real / padded,
         }
-        result = self.timed("A", step, args.warmup, args.steps, extra)
-        self.on_oom = None
-        return result
+        try:
+            return self.timed("A", step, args.warmup, args.steps, extra)
+        finally:
+            self.on_oom = None
 
     # -- B / C --------------------------------------------------------------------------------------------------------
     def mode_bc(self, compiled: bool) -> dict:
@@ -520,8 +557,9 @@ class Bench:
         return result
 
     # -- D / Dc -------------------------------------------------------------------------------------------------------
-    def mode_d(self, compiled: bool, profile_dir: Path | None) -> dict:
-        """The worker's step (see `sftflow.tasks.train.worker.train`), on the plan's rows."""
+    def mode_d(self, name: str, profile_dir: Path | None, compiled=False, rope_tmajor=False, fused_adam=False) -> dict:
+        """The worker's step (see `sftflow.tasks.train.worker.train`), on the plan's rows; the keyword flags are
+        experiments (not what `sftflow train` runs today)."""
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.fsdp import shard_model
         from sftflow.tasks.train.metrics import MetricsLogger
@@ -529,7 +567,6 @@ class Bench:
         from sftflow.tasks.train.worker import clip_gradients, forward_backward
 
         args, env, plan = self.args, self.env, self.plan
-        name = "Dc" if compiled else "D"
         warmup = args.compile_warmup if compiled else args.warmup
         lm = self.build_lm("", packed_worker=True)
         self.set_shape(lm)
@@ -545,7 +582,7 @@ class Bench:
             compile_layers(lm)
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         model = shard_model(lm, env, self.param_dtype)
-        optimizer, scheduler = self.optimizer(model)
+        optimizer, scheduler = self.optimizer(model, fused=fused_adam)
         _, n_dense = count_params(lm)
         from sftflow.tasks.train import config as cfg
 
@@ -611,22 +648,28 @@ class Bench:
         dtype = self.param_dtype
         extra = {
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
-            f"CE {ce_backend(env.device, dtype).name}" + (", compiled layers (dynamic)" if compiled else ""),
+            f"CE {ce_backend(env.device, dtype).name}"
+            + (", compiled layers (dynamic)" if compiled else "")
+            + (", T-major RoPE" if rope_tmajor else "")
+            + (", fused AdamW" if fused_adam else ""),
         }
-        result = self.timed(name, step, warmup, args.steps, extra)
+        with tmajor_rope(rope_tmajor):
+            result = self.timed(name, step, warmup, args.steps, extra)
         if compiled:
             result["dynamo"] = dynamo_stats()
         losses = [json.loads(line)["loss"] for line in metrics_path.read_text().splitlines()]
         result["loss_first_last"] = [losses[0], losses[-1]]
         first_extra = warmup + args.steps
-        if not compiled and args.breakdown_steps and first_extra + args.breakdown_steps <= plan.num_steps:
+        if name == "D" and args.breakdown_steps and first_extra + args.breakdown_steps <= plan.num_steps:
             for s in range(first_extra, first_extra + args.breakdown_steps):
                 step(s, breakdown=True)
             result["breakdown_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in timings.items()}
             first_extra += args.breakdown_steps
-        if profile_dir is not None and args.profile_steps and first_extra + args.profile_steps <= plan.num_steps:
+        wanted = profile_dir is not None and name in ("D", "Dx") and args.profile_steps
+        if wanted and first_extra + args.profile_steps <= plan.num_steps:
             profiled = range(first_extra, first_extra + args.profile_steps)
-            result["profile"] = profile_steps(step, profiled, env.device, profile_dir / f"profile_{name}.txt")
+            with tmajor_rope(rope_tmajor):
+                result["profile"] = profile_steps(step, profiled, env.device, profile_dir / f"profile_{name}.txt")
         return result
 
 
@@ -646,9 +689,9 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
     sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=60, max_name_column_width=90)
     kernels = []
-    for event in averages:
+    for event in averages:  # device-side events only (kernels, memcpys): operator rows repeat their kernels' time
         t = getattr(event, "self_device_time_total", 0) or 0
-        if t > 0:
+        if t > 0 and event.device_type != torch.autograd.DeviceType.CPU:
             kernels.append((event.key, t / 1e3))
     busy_ms = sum(t for _, t in kernels)
     groups: dict[str, float] = {}
@@ -696,7 +739,6 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
 
     from sftflow.tasks.plan import PlanConfig, plan, save_plan
     from sftflow.tasks.train.config import TrainConfig, write_run_json
-    from sftflow.tasks.train.launch import input_manifests, torchrun_command
     from sftflow.tasks.train.mock import MockConfig, MockDataset
 
     work.mkdir(parents=True, exist_ok=True)
@@ -749,15 +791,17 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
     logs = []
 
     def attempt(cfg, fault: str | None) -> tuple[int, float, str]:
-        write_run_json(cfg, input_manifests(cfg), run_dir / "run.json")
+        # The launcher's input manifests need sftflow.tasks.train.launch, which imports prefect (absent on the GPU
+        # machine); the worker does not read them.
+        write_run_json(cfg, {"note": "benchmarks/train_throughput.py gpu check"}, run_dir / "run.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        cmd += ["-m", "sftflow.tasks.train.worker", str(run_dir)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("SFTFLOW_FAULT", None)
         if fault:
             env["SFTFLOW_FAULT"] = fault
         t0 = time.perf_counter()
-        proc = subprocess.run(
-            torchrun_command(cfg, run_dir), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
         out = proc.stdout + proc.stderr
         logs.append(out)
         return proc.returncode, time.perf_counter() - t0, out
@@ -842,7 +886,7 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="D,B,A,C,Dc", help="comma-separated subset of A,B,C,D,Dc, run in this order")
+    p.add_argument("--modes", default="D,B,A,C,Dc,Df,Dx", help=f"comma-separated subset of {','.join(MODES)}, in order")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--row-tokens", type=int, default=16384)
@@ -887,9 +931,9 @@ def main(argv=None) -> dict:
             return report
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"A", "B", "C", "D", "Dc"}
+    unknown = set(modes) - set(MODES)
     if unknown:
-        raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected A, B, C, D, Dc")
+        raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected some of {list(MODES)}")
     env = init_single_process(args.device)
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -912,8 +956,10 @@ def main(argv=None) -> dict:
             "A": bench.mode_a,
             "B": partial(bench.mode_bc, compiled=False),
             "C": partial(bench.mode_bc, compiled=True),
-            "D": partial(bench.mode_d, compiled=False, profile_dir=out),
-            "Dc": partial(bench.mode_d, compiled=True, profile_dir=out),
+            "D": partial(bench.mode_d, "D", out),
+            "Dc": partial(bench.mode_d, "Dc", out, compiled=True),
+            "Df": partial(bench.mode_d, "Df", out, fused_adam=True),
+            "Dx": partial(bench.mode_d, "Dx", out, compiled=True, rope_tmajor=True, fused_adam=True),
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:
