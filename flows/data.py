@@ -4,6 +4,7 @@ dataset index. Outputs land under `work_dir/{render,spans,pbin,index}/<key>/` an
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, unmapped
@@ -66,8 +67,31 @@ def make_task_runner(config: DataConfig):
         raise ValueError("task_runner: 'dask' needs `pip install sftflow[dask]` (prefect-dask)") from err
     if config.dask_address:
         return DaskTaskRunner(address=config.dask_address)
+    # One single-threaded worker process per core asked for; the dashboard on a free port, so that runs side by side
+    # do not fight over 8787.
     cluster_kwargs = {"n_workers": config.workers or 2, "threads_per_worker": 1, "processes": True}
-    return DaskTaskRunner(cluster_kwargs=cluster_kwargs)
+    return DaskTaskRunner(cluster_kwargs={**cluster_kwargs, "dashboard_address": ":0"})
+
+
+@contextmanager
+def api_for_workers(config: DataConfig):
+    """Point task runs in other processes (process pool, Dask workers) at this flow's Prefect API.
+
+    Task runners ship the flow's settings with every task run. With no `PREFECT_API_URL` set, Prefect runs an
+    ephemeral API server in a subprocess of the flow; without its address, each worker process would start another
+    ephemeral server of its own (slow, and several servers on one SQLite database). Workers of a remote Dask cluster
+    cannot reach that local server at all: run a Prefect server and set `PREFECT_API_URL` for them.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if config.task_runner == "threads" or PREFECT_API_URL.value():
+        yield
+        return
+    with get_client(sync_client=True) as client:
+        api_url = str(client.api_url)
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        yield
 
 
 @flow(name="sft-data", log_prints=True)
@@ -102,7 +126,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
     wd = str(work)
     # Per-shard stages run on the configured runner (threads, processes or Dask); each stage is a barrier, which keeps
     # futures from crossing runners and costs nothing when shards are of similar size.
-    with make_task_runner(dcfg) as runner:
+    with api_for_workers(dcfg), make_task_runner(dcfg) as runner:
         rendered = runner.map(
             render,
             dict(

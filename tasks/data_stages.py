@@ -27,6 +27,7 @@ from sftflow.tasks.index import build_index
 from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
 from sftflow.tasks.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.render import RenderConfig, render_source, resolve_template
+from sftflow.tasks.sharding import SourceRange, detect_source_format, plan_shards
 from sftflow.tasks.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
 
 RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
@@ -34,11 +35,19 @@ RESULTS = dict(persist_result=True, result_serializer="json")
 
 
 class SourceFile(BaseModel):
-    """One input file (or `datasets` folder) and its content hash."""
+    """One input file (or `datasets` folder), or one shard of it, and the whole source's content hash.
+
+    `range` is None for the whole source; a shard's range is part of its cache key, and so of its output folder.
+    """
 
     model_config = ConfigDict(frozen=True)
     path: str
     sha256: str
+    range: SourceRange | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path if self.range is None else f"{self.path}@{self.range.label}"
 
 
 class TokenizerRef(BaseModel):
@@ -60,6 +69,18 @@ def source_file(path: str | Path) -> SourceFile:
     if not p.exists():
         raise ValueError(f"{path}: source does not exist")
     return SourceFile(path=str(p.resolve()), sha256=sha256_tree(p))
+
+
+def source_files(
+    path: str | Path, shard_bytes: int | None = None, shard_records: int | None = None
+) -> list[SourceFile]:
+    """The shards of one source in file order (one whole-source `SourceFile` when it is not split)."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{path}: source does not exist")
+    p = p.resolve()
+    sha256, ranges = plan_shards(p, shard_bytes=shard_bytes, shard_records=shard_records)
+    return [SourceFile(path=str(p), sha256=sha256, range=r) for r in ranges]
 
 
 def tokenizer_ref(path_or_id: str, work_dir: str | Path) -> TokenizerRef:
@@ -95,14 +116,20 @@ _MODULES = ("sftflow.tasks.data_stages", "sftflow.tasks.caching", "sftflow.tasks
 RENDER_CACHE = StageCache(
     stage="render",
     version="1",
-    modules=(*_MODULES, "sftflow.tasks.render", "sftflow.tasks.formats", "sftflow.tasks.chat_template"),
+    modules=(
+        *_MODULES,
+        "sftflow.tasks.render",
+        "sftflow.tasks.sharding",
+        "sftflow.tasks.formats",
+        "sftflow.tasks.chat_template",
+    ),
 )
 SPANS_CACHE = StageCache(stage="spans", version="1", modules=(*_MODULES, "sftflow.tasks.spans"))
 PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), modules=(*_MODULES, "sftflow.tasks.pbin"))
 INDEX_CACHE = StageCache(stage="index", version="1", modules=(*_MODULES, "sftflow.tasks.index"))
 
 
-@task(name="render", cache_policy=RENDER_CACHE, task_run_name="render-{source.path}", **RETRY, **RESULTS)
+@task(name="render", cache_policy=RENDER_CACHE, task_run_name="render-{source.name}", **RETRY, **RESULTS)
 def render_task(
     source: SourceFile, tokenizer: TokenizerRef, template_sha: str, config: RenderConfig, work_dir: str
 ) -> RenderedShard:
@@ -111,12 +138,24 @@ def render_task(
     out_dir.mkdir(parents=True, exist_ok=True)
     _inject_fault("render")
     template = resolve_template(config, tokenizer.path)
-    stats = render_source(source.path, out_dir / "rendered.jsonl", config, template, out_dir / "rejects.jsonl")
+    record_config = config
+    if source.range is not None and config.format == "auto":
+        # Autodetect from the whole source's first record, as an unsharded run does, not from this shard's.
+        record_config = config.model_copy(update={"format": detect_source_format(source.path) or "auto"})
+    stats = render_source(
+        source.path,
+        out_dir / "rendered.jsonl",
+        record_config,
+        template,
+        out_dir / "rejects.jsonl",
+        source_range=source.range,
+    )
     manifest = RenderedShard(
         path=stats.out_path,
         sha256=sha256_file(stats.out_path),
         source_path=source.path,
         source_sha256=source.sha256,
+        source_range=source.range.label if source.range is not None else None,
         template_sha256=template_sha,
         num_records=stats.rendered,
         num_rejected=stats.rejected,
@@ -170,6 +209,8 @@ def pbin_task(tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: Tok
         "template_sha256": rendered.template_sha256,
         "tokenizer_sha256": tokenizer.sha256,
     }
+    if rendered.source_range is not None:
+        provenance["source_range"] = rendered.source_range
     docs = load_tokenized_shard(tokenized.path)
     info = write_pbin(out_dir / "shard.pbin", docs, vocab_size=_vocab_size(tokenizer), provenance=provenance)
     manifest = PbinShard(**asdict(info))

@@ -36,7 +36,8 @@ class RenderedShard(Manifest):
     """JSONL of `{"text", "train_char_spans", "source"}` records, one per rendered conversation."""
 
     source_path: str
-    source_sha256: str
+    source_sha256: str  # of the whole source, also for a shard of it
+    source_range: str | None = None  # the shard's range (`SourceRange.label`), None for the whole source
     template_sha256: str
     num_records: int
     num_rejected: int

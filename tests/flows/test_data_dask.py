@@ -6,6 +6,9 @@ The output must not depend on the runner, nor (beyond which shard holds a docume
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 
 from sftflow.flows.config import DataConfig, SFTConfig
-from sftflow.flows.data import DataResult, sft_data
+from sftflow.flows.data import DataResult, load_data_result, sft_data
 from sftflow.tasks.demo import write_demo
 from sftflow.tasks.index import load_index
 from sftflow.tasks.pbin import open_pbin
@@ -80,22 +83,64 @@ def _docs(result: DataResult) -> list[tuple[str, list[int], list[list[int]]]]:
     return docs
 
 
-def test_dask_cluster_output_is_byte_identical_to_threads(dataset, tmp_path):
+@pytest.fixture(scope="module")
+def threads_run(dataset, tmp_path_factory) -> DataResult:
     shard_bytes = dataset["data"].stat().st_size // 5
-    threads, _ = _run(dataset, tmp_path / "threads", shard_bytes=shard_bytes, workers=2)
+    return _run(dataset, tmp_path_factory.mktemp("threads"), shard_bytes=shard_bytes, workers=2)[0]
+
+
+def _assert_same_output(got: DataResult, want: DataResult) -> None:
+    # Same shards, same bytes: the pbin files (header provenance included) and every index array.
+    assert [Path(p.path).read_bytes() for p in got.pbin] == [Path(p.path).read_bytes() for p in want.pbin]
+    assert [p.sha256 for p in got.pbin] == [p.sha256 for p in want.pbin]
+    for name, array in _index_arrays(want).items():
+        np.testing.assert_array_equal(_index_arrays(got)[name], array, err_msg=name)
+    assert got.summary() | {"index": None} == want.summary() | {"index": None}
+
+
+def test_dask_cluster_output_is_byte_identical_to_threads(dataset, threads_run, tmp_path):
+    shard_bytes = dataset["data"].stat().st_size // 5
     dask, states = _run(dataset, tmp_path / "dask", shard_bytes=shard_bytes, task_runner="dask", workers=2)
 
     assert len(dask.pbin) >= 5
     assert states["render"] == ["Completed"] * len(dask.pbin)
-    # Same shards, same bytes: the pbin files (header provenance included) and every index array.
-    assert [Path(p.path).read_bytes() for p in dask.pbin] == [Path(p.path).read_bytes() for p in threads.pbin]
-    assert [p.sha256 for p in dask.pbin] == [p.sha256 for p in threads.pbin]
-    for name, array in _index_arrays(threads).items():
-        np.testing.assert_array_equal(_index_arrays(dask)[name], array, err_msg=name)
-    assert dask.summary() | {"index": None} == threads.summary() | {"index": None}
+    _assert_same_output(dask, threads_run)
     with open_pbin(dask.pbin[1].path) as f:
         assert f.provenance["source_range"].startswith("bytes ")
         assert f.provenance["source_sha256"] == dask.rendered[0].source_sha256
+
+
+_EPHEMERAL_SCRIPT = """
+import sys
+from sftflow.flows.config import DataConfig, SFTConfig
+from sftflow.flows.data import sft_data
+config = DataConfig.model_validate_json(sys.argv[1])
+sft_data(config=SFTConfig(work_dir=sys.argv[2], data=config))
+"""
+
+
+@pytest.mark.slow
+def test_dask_workers_reach_the_flows_ephemeral_api(dataset, threads_run, tmp_path):
+    """`sftflow data` without a Prefect server: the workers must use the flow's ephemeral API, not start their own."""
+    config = DataConfig(
+        sources=[str(dataset["data"])],
+        tokenizer=str(dataset["tokenizer"]),
+        render={"template": "chatml", "on_bad_record": "reject"},
+        index={"eval_fraction": 0.2},
+        shard_bytes=dataset["data"].stat().st_size // 5,
+        task_runner="dask",
+        workers=2,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    work = tmp_path / "work"
+    args = [sys.executable, "-c", _EPHEMERAL_SCRIPT, config.model_dump_json(), str(work)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert output.count("Starting temporary server") == 1, output[-3000:]
+    assert output.count("Task run 'render-") == 5
+    _assert_same_output(load_data_result(work), threads_run)
 
 
 def test_shard_size_changes_which_shard_holds_a_doc_and_nothing_else(dataset, tmp_path):
