@@ -1,0 +1,74 @@
+"""The multi-GPU launch path with 4 gloo processes on CPU (issue 7's CPU part): 4 ranks train the same losses as 1
+rank on the same plan, and a checkpoint saved on 4 ranks resumes on 2 (DCP resharding)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from train_helpers import losses, metrics, mock_config, run  # noqa: E402
+
+from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
+from sftflow.tasks.train.config import TrainConfig  # noqa: E402
+from sftflow.tasks.train.mock import MockDataset  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("train4")
+    mock = mock_config(len(tiny_tokenizer), num_docs=64)
+    dataset = MockDataset(mock)
+    arrays, _ = plan(
+        dataset.lengths,
+        dataset.loss_token_counts,
+        PlanConfig(num_ranks=4, tokens_per_rank=64, micro_batches_per_step=1, epochs=1, seed=0),
+    )
+    (root / "plan").mkdir()
+    save_plan(arrays, root / "plan" / "plan.npz")
+    base = TrainConfig(
+        mock=mock,
+        plan=str(root / "plan"),
+        model="tiny-llama",
+        tokenizer=str(tiny_tokenizer_dir),
+        out=str(root / "unused"),
+        lr=1e-2,
+        checkpoint_every=3,
+        keep_last=10,
+        seed=0,
+        num_threads=1,
+        export=False,
+    )
+    run(base, root / "run4", nproc=4)
+    return root, base, arrays.num_steps
+
+
+def test_four_ranks_match_one_rank(four):
+    root, base, num_steps = four
+    run(base, root / "run1", nproc=1)
+    four_ranks, one_rank = losses(root / "run4"), losses(root / "run1")
+    assert len(four_ranks) == len(one_rank) == num_steps
+    for step, (a, b) in enumerate(zip(four_ranks, one_rank, strict=True), 1):
+        assert _rel(a, b) <= 1e-4, (step, a, b)
+
+
+def test_checkpoint_saved_on_four_ranks_resumes_on_two(four):
+    root, base, num_steps = four
+    out = root / "resume2"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "run4" / "checkpoints" / "step-3", out / "checkpoints" / "step-3")
+    (out / "checkpoints" / "latest").write_text("step-3")
+    run(base, out, nproc=2, resume=True)
+    assert [m["step"] for m in metrics(out)] == list(range(4, num_steps + 1))
+    for a, b in zip(losses(out), losses(root / "run4")[3:], strict=True):
+        assert _rel(a, b) <= 1e-4
