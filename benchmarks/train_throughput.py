@@ -9,12 +9,14 @@ Model: Llama-3.2-1B-shaped, random init (hidden 2048, 16 layers, 32 heads, 8 KV 
 [16, 4096]), loss spans train about half of each document's tokens. The rows come from `sftflow.tasks.plan.plan`
 (16,384 tokens per row, one row per optimizer step, one rank).
 
-Modes, all in one process, all with the same model init, fp32 master weights, bf16 compute (FSDP2 `fully_shard` per
-decoder layer and on the root, world size 1, bf16 params / fp32 reduce: the worker's wrapping), the worker's AdamW
-(`build_optimizer`), gradient clipping at 1.0, one optimizer step per micro-batch:
+Modes, all in one process, all with the same model init, fp32 master weights, bf16 compute, the worker's AdamW
+(`build_optimizer`), gradient clipping at 1.0, one optimizer step per micro-batch. B, C and D are wrapped like the
+worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf16 params / fp32 reduce):
 
-- **A** (TRL's default collator): batches of 8 documents padded to the longest, HF `sdpa` attention with a padding
-  mask, HF's loss on materialised logits (`model(..., labels=...)`, mean over the batch's trained tokens).
+- **A** (TRL's default collator, as the HF Trainer runs it on one GPU): the plain model under bf16 autocast, batches
+  of 8 documents padded to the longest, HF `sdpa` attention with a padding mask, HF's loss on materialised logits
+  (`model(..., labels=...)`, mean over the batch's trained tokens). A batch that runs out of memory is skipped and
+  counted (`oom_steps`).
 - **B** (best assembly of libraries): the same packed rows as D, torch `varlen_attn` registered as a transformers
   attention function, Liger's fused linear cross-entropy (sum / trained tokens).
 - **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
