@@ -1,0 +1,170 @@
+"""Data prep scaling: `sft-data` records/s on the Dask runner with 1 vs 2 worker processes (threads for reference).
+
+The input is the largest conversational dataset in ../shared/data (sharegpt-zh-1k, JSONL) repeated to `--records`
+lines in one file, which sharding splits into byte ranges (`--shard-bytes`); without the shared data, generated demo
+conversations (`sftflow.tasks.demo.write_demo`) and their tokenizer stand in. Each run gets a fresh work folder, so
+nothing is cached, and runs on Prefect's ephemeral API in a temporary PREFECT_HOME, as `sftflow data` does.
+
+Tokenizer threads are pinned to one per process (RAYON_NUM_THREADS=1), so a worker is one core. Two times per run:
+
+    map    first render task start → last pbin task end (task-run times from the Prefect API): the sharded,
+           parallel part, which is what the runner scales
+    total  the whole flow call: hashing and sharding the source, starting the cluster (Dask: worker processes import
+           the stack), the map, and the serial index (hash, dedup, split) in the flow process
+
+    python benchmarks/data_prep_scaling.py [--records 200000] [--shard-bytes 8000000] [--record]
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="sftflow-bench-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO.parent / "shared" / "data"))
+RUNS = (("threads", 2), ("dask", 1), ("dask", 2))
+
+
+def _inputs(work: Path, records: int) -> tuple[Path, Path, str, int]:
+    """(source JSONL repeated to `records` lines, tokenizer folder, dataset name, distinct records)."""
+    source = SHARED / "datasets" / "sharegpt-zh-1k" / "sharegpt_zh_1K_format.jsonl"
+    tokenizer = SHARED / "tokenizers" / "smollm2-135m-chatml"
+    name = "sharegpt-zh-1k"
+    if not (source.is_file() and tokenizer.is_dir()):
+        from sftflow.tasks.demo import write_demo
+
+        demo = write_demo(work / "demo", n=2000)
+        source, tokenizer, name = demo["data"], demo["tokenizer"], "demo (generated)"
+    lines = [line for line in source.read_bytes().split(b"\n") if line.strip()]
+    out = work / "data.jsonl"
+    with open(out, "wb") as f:
+        for i in range(records):
+            f.write(lines[i % len(lines)] + b"\n")
+    return out, tokenizer, name, len(lines)
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _start_api() -> None:
+    """Start the ephemeral API before timing, so its start-up is not charged to the first run."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.hello()
+
+
+def _map_seconds(flow_run_id) -> float:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    mapped = [r for r in runs if not r.task_key.startswith("index")]
+    return (max(r.end_time for r in mapped) - min(r.start_time for r in mapped)).total_seconds()
+
+
+def _run(source: Path, tokenizer: Path, work: Path, runner: str, workers: int, shard_bytes: int) -> dict:
+    from sftflow.flows.config import DataConfig, SFTConfig
+    from sftflow.flows.data import sft_data
+
+    config = DataConfig(
+        sources=[str(source)],
+        tokenizer=str(tokenizer),
+        render={"format": "sharegpt", "template": "chatml", "on_bad_record": "reject"},
+        task_runner=runner,
+        workers=workers,
+        shard_bytes=shard_bytes,
+    )
+    start = time.perf_counter()
+    state = sft_data(config=SFTConfig(work_dir=str(work), data=config), return_state=True)
+    total = time.perf_counter() - start
+    result = state.result()
+    return {
+        "runner": runner,
+        "workers": workers,
+        "shards": len(result.pbin),
+        "records": sum(r.num_records + r.num_rejected for r in result.rendered),
+        "tokens": sum(t.num_tokens for t in result.tokenized),
+        "map_s": _map_seconds(state.state_details.flow_run_id),
+        "total_s": total,
+        "pbin_sha256": [p.sha256 for p in result.pbin],
+        # index.json names each run's own shard paths; its arrays' hashes are what must match.
+        "index_arrays_sha256": json.loads(Path(result.index.path).read_text())["arrays"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=200_000, help="lines in the repeated source file")
+    parser.add_argument("--shard-bytes", type=int, default=8_000_000)
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+
+    import dask
+    import prefect
+    import prefect_dask
+    import transformers
+
+    work = Path(tempfile.mkdtemp(prefix="sftflow-bench-scaling-"))
+    try:
+        source, tokenizer, name, distinct = _inputs(work, args.records)
+        _start_api()
+        rows = []
+        for runner, workers in RUNS:
+            row = _run(source, tokenizer, work / f"{runner}-{workers}", runner, workers, args.shard_bytes)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if "sha256" not in k}), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    first = rows[0]
+    identical = all(r["pbin_sha256"] == first["pbin_sha256"] for r in rows) and all(
+        r["index_arrays_sha256"] == first["index_arrays_sha256"] for r in rows
+    )
+    base = next(r for r in rows if (r["runner"], r["workers"]) == ("dask", 1))
+    header = (
+        f"{time.strftime('%Y-%m-%d')}: {name} ({distinct} distinct) repeated to {rows[0]['records']} records, "
+        f"{rows[0]['tokens']} tokens, {rows[0]['shards']} shards of ~{args.shard_bytes / 1e6:g} MB; "
+        f"{_cpu()}, {os.cpu_count()} cores visible (shared with other jobs); python {platform.python_version()}, "
+        f"prefect {prefect.__version__}, prefect-dask {prefect_dask.__version__}, dask {dask.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
+    table = [
+        "| runner | workers | map records/s | map tokens/s | map s | total records/s | total s | vs dask×1 (map) |"
+    ]
+    table.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        table.append(
+            f"| {r['runner']} | {r['workers']} | {r['records'] / r['map_s']:.0f} | {r['tokens'] / r['map_s']:.0f} | "
+            f"{r['map_s']:.1f} | {r['records'] / r['total_s']:.0f} | {r['total_s']:.1f} | "
+            f"{base['map_s'] / r['map_s']:.2f}x |"
+        )
+    footer = f"Outputs byte-identical across runs (pbin shards and index): {identical}."
+    print(header, *table, footer, sep="\n")
+    if args.record:
+        with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
+            f.write(f"\n### data_prep_scaling ({header})\n\n" + "\n".join(table) + f"\n\n{footer}\n")
+    if not identical:
+        raise SystemExit("outputs differ between runners")
+
+
+if __name__ == "__main__":
+    main()
