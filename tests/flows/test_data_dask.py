@@ -99,8 +99,15 @@ def _assert_same_output(got: DataResult, want: DataResult) -> None:
 
 
 def test_dask_cluster_output_is_byte_identical_to_threads(dataset, threads_run, tmp_path):
+    """An existing cluster (`dask_address`) of 2 worker processes; the next test has the runner start its own."""
+    from distributed import LocalCluster
+
     shard_bytes = dataset["data"].stat().st_size // 5
-    dask, states = _run(dataset, tmp_path / "dask", shard_bytes=shard_bytes, task_runner="dask", workers=2)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        address = cluster.scheduler_address
+        dask, states = _run(
+            dataset, tmp_path / "dask", shard_bytes=shard_bytes, task_runner="dask", dask_address=address
+        )
 
     assert len(dask.pbin) >= 5
     assert states["render"] == ["Completed"] * len(dask.pbin)
