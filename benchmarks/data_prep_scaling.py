@@ -8,7 +8,8 @@ nothing is cached, and runs on Prefect's ephemeral API in a temporary PREFECT_HO
 Tokenizer threads are pinned to one per process (RAYON_NUM_THREADS=1), so a worker is one core. Two times per run:
 
     map    first render task start → last pbin task end (task-run times from the Prefect API): the sharded,
-           parallel part, which is what the runner scales
+           parallel part, which is what the runner scales; "tasks running" is the mean number of per-shard tasks
+           running during it (task-seconds / map seconds), which shows whether workers did run side by side
     total  the whole flow call: hashing and sharding the source, starting the cluster (Dask: worker processes import
            the stack), the map, and the serial index (hash, dedup, split) in the flow process
 
@@ -22,7 +23,8 @@ import tempfile
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="sftflow-bench-prefect-"))
+if "PREFECT_HOME" not in os.environ:  # not setdefault: Dask's spawned workers import this module again
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="sftflow-bench-prefect-")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
@@ -71,14 +73,17 @@ def _start_api() -> None:
         client.hello()
 
 
-def _map_seconds(flow_run_id) -> float:
+def _map_seconds(flow_run_id) -> tuple[float, float]:
+    """Seconds from the first per-shard task's start to the last one's end, and the mean number running meanwhile."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     mapped = [r for r in runs if not r.task_key.startswith("index")]
-    return (max(r.end_time for r in mapped) - min(r.start_time for r in mapped)).total_seconds()
+    span = (max(r.end_time for r in mapped) - min(r.start_time for r in mapped)).total_seconds()
+    busy = sum((r.end_time - r.start_time).total_seconds() for r in mapped)
+    return span, busy / span
 
 
 def _run(source: Path, tokenizer: Path, work: Path, runner: str, workers: int, shard_bytes: int) -> dict:
@@ -103,7 +108,7 @@ def _run(source: Path, tokenizer: Path, work: Path, runner: str, workers: int, s
         "shards": len(result.pbin),
         "records": sum(r.num_records + r.num_rejected for r in result.rendered),
         "tokens": sum(t.num_tokens for t in result.tokenized),
-        "map_s": _map_seconds(state.state_details.flow_run_id),
+        **dict(zip(("map_s", "concurrency"), _map_seconds(state.state_details.flow_run_id), strict=True)),
         "total_s": total,
         "pbin_sha256": [p.sha256 for p in result.pbin],
         # index.json names each run's own shard paths; its arrays' hashes are what must match.
@@ -127,6 +132,7 @@ def main() -> None:
     try:
         source, tokenizer, name, distinct = _inputs(work, args.records)
         _start_api()
+        load_before = os.getloadavg()[0]
         rows = []
         for runner, workers in RUNS:
             row = _run(source, tokenizer, work / f"{runner}-{workers}", runner, workers, args.shard_bytes)
@@ -147,17 +153,18 @@ def main() -> None:
         f"prefect {prefect.__version__}, prefect-dask {prefect_dask.__version__}, dask {dask.__version__}, "
         f"transformers {transformers.__version__}"
     )
-    table = [
-        "| runner | workers | map records/s | map tokens/s | map s | total records/s | total s | vs dask×1 (map) |"
-    ]
-    table.append("|---|---|---|---|---|---|---|---|")
+    columns = "runner | workers | map records/s | map tokens/s | map s | tasks running | total records/s | total s"
+    table = [f"| {columns} | map vs dask×1 |", "|---" * 9 + "|"]
     for r in rows:
         table.append(
             f"| {r['runner']} | {r['workers']} | {r['records'] / r['map_s']:.0f} | {r['tokens'] / r['map_s']:.0f} | "
-            f"{r['map_s']:.1f} | {r['records'] / r['total_s']:.0f} | {r['total_s']:.1f} | "
+            f"{r['map_s']:.1f} | {r['concurrency']:.2f} | {r['records'] / r['total_s']:.0f} | {r['total_s']:.1f} | "
             f"{base['map_s'] / r['map_s']:.2f}x |"
         )
-    footer = f"Outputs byte-identical across runs (pbin shards and index): {identical}."
+    footer = (
+        f"Outputs byte-identical across runs (pbin shards and index arrays): {identical}. "
+        f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs included)."
+    )
     print(header, *table, footer, sep="\n")
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel, ConfigDict
@@ -73,6 +74,9 @@ def make_task_runner(config: DataConfig):
     return DaskTaskRunner(cluster_kwargs={**cluster_kwargs, "dashboard_address": ":0"})
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 @contextmanager
 def api_for_workers(config: DataConfig):
     """Point task runs in other processes (process pool, Dask workers) at this flow's Prefect API.
@@ -88,6 +92,12 @@ def api_for_workers(config: DataConfig):
     if config.task_runner == "threads" or PREFECT_API_URL.value():
         yield
         return
+    address = config.dask_address
+    if address and urlsplit(address if "://" in address else f"tcp://{address}").hostname not in _LOOPBACK:
+        raise ValueError(
+            f"dask_address {config.dask_address}: workers on other hosts cannot reach this flow's ephemeral Prefect "
+            "API; start a Prefect server (`prefect server start`) and set PREFECT_API_URL for the flow and workers"
+        )
     with get_client(sync_client=True) as client:
         api_url = str(client.api_url)
     with temporary_settings({PREFECT_API_URL: api_url}):

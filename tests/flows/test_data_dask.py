@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sftflow.flows.config import DataConfig, SFTConfig
-from sftflow.flows.data import DataResult, load_data_result, sft_data
+from sftflow.flows.data import DataResult, api_for_workers, load_data_result, sft_data
 from sftflow.tasks.demo import write_demo
 from sftflow.tasks.index import load_index
 from sftflow.tasks.pbin import open_pbin
@@ -169,3 +169,13 @@ def test_shard_size_changes_which_shard_holds_a_doc_and_nothing_else(dataset, tm
         rejects = [json.loads(line) for r in sharded.rendered if r.rejects_path for line in open(r.rejects_path)]
         assert [r["source"] for r in rejects] == [f"{dataset['data'].resolve()}:101"]
     assert whole.index.dropped.get("duplicate", 0) > 0  # dedup across shard boundaries kept the same first copies
+
+
+def test_remote_dask_address_without_a_prefect_server_is_refused():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    config = DataConfig(sources=["x.jsonl"], tokenizer="t", task_runner="dask", dask_address="tcp://10.1.2.3:8786")
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        with pytest.raises(ValueError, match="10.1.2.3:8786.*PREFECT_API_URL"):
+            with api_for_workers(config):
+                pass
