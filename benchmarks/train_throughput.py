@@ -733,7 +733,9 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cuda", out: Path | None = None) -> dict:
+def gpu_check(
+    work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cuda", out: Path | None = None, nproc: int = 1
+) -> dict:
     """Train a small real-shaped Llama (8 layers, hidden 1024, vocab 32k; bf16 on CUDA) with `sftflow`'s worker
     under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the worker's fault hook), then a
     `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only)."""
@@ -747,7 +749,7 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
     small = device == "cpu"
     vocab, row = (512, 256) if small else (32000, 16384)
     mock = MockConfig(
-        num_docs=320 if small else 900,
+        num_docs=(320 if small else 900) * nproc,  # the same steps for any nproc: weak scaling
         vocab_size=vocab,
         median_length=24 if small else 600,
         sigma=1.0,
@@ -759,7 +761,7 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
     arrays, _ = plan(
         dataset.lengths,
         dataset.loss_token_counts,
-        PlanConfig(num_ranks=1, tokens_per_rank=row, micro_batches_per_step=1),
+        PlanConfig(num_ranks=nproc, tokens_per_rank=row, micro_batches_per_step=1),
     )
     (work / "plan").mkdir(exist_ok=True)
     save_plan(arrays, work / "plan" / "plan.npz")
@@ -796,7 +798,7 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
         # The launcher's input manifests need sftflow.tasks.train.launch, which imports prefect (absent on the GPU
         # machine); the worker does not read them.
         write_run_json(cfg, {"note": "benchmarks/train_throughput.py gpu check"}, run_dir / "run.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "sftflow.tasks.train.worker", str(run_dir)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("SFTFLOW_FAULT", None)
@@ -817,6 +819,7 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
     timed = [r for r in records if r["step"] > 3 and r["step"] not in (crash_after + 1,)]
     hf = run_dir / "hf"
     result = {
+        "nproc": nproc,
         "first_attempt_exit": code1,
         "first_attempt_wall_s": round(wall1, 1),
         "resume_exit": code2,
@@ -838,8 +841,8 @@ def gpu_check(work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cud
         result["hf_reload_params"] = sum(p.numel() for p in reloaded.parameters())
     for folder in (work, out):
         if folder is not None:
-            (folder / "gpu_check_log.txt").write_text("\n\n===== resume =====\n\n".join(logs))
-            (folder / "gpu_check_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+            (folder / f"gpu_check{nproc}_log.txt").write_text("\n\n===== resume =====\n\n".join(logs))
+            (folder / f"gpu_check{nproc}_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
     print(f"[gpu-check] {json.dumps(result)}", flush=True)
     return result
 
@@ -906,6 +909,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="folder for train_throughput.json/.md and profiles")
     p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the issue-4 worker check in DIR first")
     p.add_argument("--gpu-check-only", action="store_true")
+    p.add_argument("--gpu-check-nproc", default="1", help="comma-separated process counts for the worker check")
     return p.parse_args(argv)
 
 
@@ -922,11 +926,19 @@ def main(argv=None) -> dict:
         "results": [],
     }
     if args.gpu_check:
-        try:
-            report["gpu_check"] = gpu_check(Path(args.gpu_check), device=args.device, out=out)
-        except Exception as err:
-            traceback.print_exc()
-            report["gpu_check"] = {"error": repr(err)}
+        checks = {}
+        for nproc in (int(n) for n in args.gpu_check_nproc.split(",")):
+            try:
+                work = Path(args.gpu_check) / f"nproc{nproc}"
+                checks[nproc] = gpu_check(work, device=args.device, out=out, nproc=nproc)
+            except Exception as err:
+                traceback.print_exc()
+                checks[nproc] = {"error": repr(err)}
+        report["gpu_check"] = checks
+        one, two = checks.get(1, {}).get("tokens_per_s_median"), checks.get(2, {}).get("tokens_per_s_median")
+        if one and two:
+            report["gpu_check_scaling_efficiency_2gpu"] = two / (2 * one)
+            print(f"[gpu-check] 2-GPU scaling efficiency {two / (2 * one):.3f}", flush=True)
         if out is not None:
             (out / "train_throughput.json").write_text(json.dumps(report, indent=2))
         if args.gpu_check_only:
