@@ -142,7 +142,8 @@ def main() -> None:
     print(f"ratio (ours / baseline): {ratio:.2f}x; of our time, render {render_s:.2f}s, spans {ours_s - render_s:.2f}s")
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write(f"\n## Data preparation: render + spans vs HF ({time.strftime('%Y-%m-%d')})\n\n{header}; {versions}\n\n")
+            date = time.strftime("%Y-%m-%d")
+            f.write(f"\n## Data preparation: render + spans vs HF ({date})\n\n{header}; {versions}\n\n")
             f.write("| pipeline | conv/s | tokens/s |\n|---|---|---|\n")
             for label, conv_s, tok_s in rows:
                 f.write(f"| {label} | {conv_s:.1f} | {tok_s:.0f} |\n")
