@@ -39,29 +39,41 @@ def _stage(run) -> str:
     return _STAGE_OF_TASK.get(name, name)
 
 
-def task_states(flow_state) -> dict[str, list[str]]:
-    """Final state names of every task run of a finished flow run, keyed by task name (`render`, `spans`, ...)."""
+def _read_task_runs(**filters) -> list:
+    """Task runs matching `filters`, once each has a final state: states are recorded from events, so for a moment
+    after a flow returns a run can still show none."""
+    import time
+
     from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(**filters)
+            if all(run.state is not None and run.state.is_final() for run in runs) or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.2)
+
+
+def _flow_task_runs(flow_state) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     flow_run_id = flow_state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return _read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def task_states(flow_state) -> dict[str, list[str]]:
+    """Final state names of every task run of a finished flow run, keyed by stage (`render`, `spans`, ...)."""
     states: dict[str, list[str]] = defaultdict(list)
-    for run in runs:
+    for run in _flow_task_runs(flow_state):
         states[_stage(run)].append(run.state.name)
     return dict(states)
 
 
 def run_counts(flow_state) -> dict[str, list[int]]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    flow_run_id = flow_state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    """How many times each task run of a finished flow run ran (retries included), keyed by stage."""
     counts: dict[str, list[int]] = defaultdict(list)
-    for run in runs:
+    for run in _flow_task_runs(flow_state):
         counts[_stage(run)].append(run.run_count)
     return dict(counts)
 
@@ -79,12 +91,17 @@ class RecordedTaskRuns:
         return False
 
     def states(self) -> dict[str, list[str]]:
-        from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterEndTime
 
+        import time
+
         window = TaskRunFilter(end_time=TaskRunFilterEndTime(after_=self.start))
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(task_run_filter=window)
+        # A run appears here once its final state is recorded (from events): read until the set stops growing.
+        runs, previous = _read_task_runs(task_run_filter=window), -1
+        while len(runs) != previous:
+            previous = len(runs)
+            time.sleep(0.5)
+            runs = _read_task_runs(task_run_filter=window)
         states: dict[str, list[str]] = defaultdict(list)
         for run in runs:
             if not run.name.startswith("sft-"):  # the placeholder task run of each subflow
