@@ -91,9 +91,9 @@ class RecordedTaskRuns:
         return False
 
     def states(self) -> dict[str, list[str]]:
-        from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterEndTime
-
         import time
+
+        from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterEndTime
 
         window = TaskRunFilter(end_time=TaskRunFilterEndTime(after_=self.start))
         # A run appears here once its final state is recorded (from events): read until the set stops growing.
