@@ -157,10 +157,15 @@ def model_batch(batch: dict, device: torch.device) -> dict:
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, parameters outside the input embedding), counting shared tensors once."""
+    """(all parameters, parameters that take part in matmuls), counting shared tensors once.
+
+    The input embedding is a lookup, not a matmul, so it is left out of the second count; but with tied embeddings
+    the same matrix is also the LM head, a (T, D) x (D, V) matmul, so then it counts.
+    """
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()
-    return total, total - embed
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return total, total - embed + (embed if tied else 0)
 
 
 def attention_width(config) -> int:

@@ -43,11 +43,17 @@ log = logging.getLogger("sftflow.train")
 
 
 def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    """AdamW; weight decay on matrices only (not on norms and biases).
+
+    On CUDA the fused implementation (one kernel for all parameters; +2% step throughput on a 1B model on H200,
+    `benchmarks/RESULTS.md`), elsewhere the foreach one.
+    """
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, foreach=True)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    impl = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **impl)
 
 
 def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:

@@ -204,3 +204,19 @@ def test_streaming_returns_the_exit_code_and_every_line():
     lines = []
     code = run_streaming(["bash", "-c", "echo one; echo two >&2; exit 3"], dict(os.environ), None, lines.append)
     assert code == 3 and sorted(lines) == ["one", "two"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_count_params_counts_the_tied_head_as_a_matmul(tied):
+    from transformers import AutoModelForCausalLM
+
+    from sftflow.tasks.tiny import tiny_llama_config
+    from sftflow.tasks.train.model import count_params
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(100, tie_word_embeddings=tied))
+    total, dense = count_params(model)
+    embed = 100 * model.config.hidden_size
+    assert total == sum(p.numel() for p in model.parameters())
+    # Untied: the head is its own (V, D) matrix and the embedding lookup is not a matmul. Tied: one shared matrix,
+    # which the head uses as a matmul.
+    assert dense == (total if tied else total - embed)
