@@ -149,7 +149,7 @@ def main() -> None:
     header = (
         f"{time.strftime('%Y-%m-%d')}: {name} ({distinct} distinct) repeated to {rows[0]['records']} records, "
         f"{rows[0]['tokens']} tokens, {rows[0]['shards']} shards of ~{args.shard_bytes / 1e6:g} MB; "
-        f"{_cpu()}, {os.cpu_count()} cores visible (shared with other jobs); python {platform.python_version()}, "
+        f"{_cpu()}, {os.cpu_count()} cores visible; python {platform.python_version()}, "
         f"prefect {prefect.__version__}, prefect-dask {prefect_dask.__version__}, dask {dask.__version__}, "
         f"transformers {transformers.__version__}"
     )
@@ -168,7 +168,7 @@ def main() -> None:
     print(header, *table, footer, sep="\n")
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write(f"\n### data_prep_scaling ({header})\n\n" + "\n".join(table) + f"\n\n{footer}\n")
+            f.write(f"\n## Data preparation scaling, {header}\n\n" + "\n".join(table) + f"\n\n{footer}\n")
     if not identical:
         raise SystemExit("outputs differ between runners")
 

@@ -40,3 +40,37 @@ def test_plan_from_data_and_bad_arguments(tmp_path):
     assert result.returncode == 2 and "exactly one of --data" in result.stderr
     result = run_cli("plan", "--data", str(data), "--mode", "zigzag", "--out", str(tmp_path / "q"))
     assert result.returncode == 2 and "mode" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_train_and_eval_commands(tmp_path):
+    """data → plan → train → train --resume → eval through the console script, as the CLI contract spells them."""
+    demo = write_demo(tmp_path / "demo", n=80)
+    data, plan, run = tmp_path / "data", tmp_path / "plan", tmp_path / "run"
+    assert (
+        run_cli(
+            "data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data)
+        ).returncode
+        == 0
+    )
+    args = ["plan", "--data", str(data), "--num-ranks", "2", "--tokens-per-rank", "512", "--out", str(plan)]
+    assert run_cli(*args).returncode == 0
+    train = ["train", "--data", str(data), "--plan", str(plan), "--model", "tiny-llama", "--out", str(run)]
+    result = run_cli(*train, "--nproc", "2", "--max-steps", "2", "--checkpoint-every", "1", "--lr", "1e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-2"
+
+    # Rerunning into a run folder that holds checkpoints needs --resume; with it, training continues from `latest`
+    # (here on 1 process: the 2-rank checkpoint reshards).
+    result = run_cli(*train, "--max-steps", "3")
+    assert result.returncode == 2 and "--resume" in result.stderr
+    result = run_cli(*train, "--max-steps", "3", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+    result = run_cli(
+        "eval", "--model", str(run / "hf"), "--data", str(data), "--base", "tiny-llama", "--out", str(tmp_path / "eval")
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| tuned |" in result.stdout and "| base |" in result.stdout
+    assert (tmp_path / "eval" / "report.md").is_file()
