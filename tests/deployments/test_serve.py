@@ -6,6 +6,7 @@ Everything runs on this machine's loopback address and is shut down by PID at th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
@@ -86,6 +88,22 @@ def prefect_server(tmp_path_factory):
         log.close()
 
 
+def _final_state(prefect, flow_run_id: str, timeout_s: float = 600) -> str:
+    """Poll `prefect flow-run inspect` until the run is in a final state; return its type (COMPLETED, FAILED, ...)."""
+    final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+    state = None
+
+    def done() -> bool:
+        nonlocal state
+        out = prefect("flow-run", "inspect", flow_run_id, timeout=60).stdout
+        found = re.search(r"state_type=StateType\.([A-Z]+)", out)
+        state = found.group(1) if found else None
+        return state in final
+
+    _wait(done, timeout_s, f"flow run {flow_run_id} to finish")
+    return state
+
+
 @pytest.mark.slow
 def test_serve_and_run_deployments(prefect_server, tmp_path):
     env, home = prefect_server
@@ -94,6 +112,7 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
         yaml.safe_dump(
             {
                 "work_dir": str(tmp_path / "work"),
+                "train_retries": 0,  # so that the injected crash below fails the flow run
                 "demo": {"records": 120},
                 "plan": {"tokens_per_rank": 512},
                 "train": {"model_overrides": TINY, "lr": 1e-3, "max_steps": 4, "checkpoint_every": 2},
@@ -134,6 +153,18 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
         assert rerun.returncode == 0, rerun.stdout + rerun.stderr
         log = (tmp_path / "serve.log").read_text()
         assert "Finished in state Cached" in log
+
+        # A run whose training crashes fails; `prefect flow-run retry` reruns it and training resumes from its last
+        # checkpoint (the fault fires once per run folder), without redoing data or plan.
+        started = prefect("deployment", "run", "sft/full", "-p", "fault=crash_after_step=3", "-p", "learning_rate=7e-4")
+        assert started.returncode == 0, started.stdout + started.stderr
+        flow_run_id = re.search(UUID, started.stdout).group(0)
+        assert _final_state(prefect, flow_run_id) == "FAILED"
+        retried = prefect("flow-run", "retry", flow_run_id, timeout=120)
+        assert retried.returncode == 0, retried.stdout + retried.stderr
+        assert _final_state(prefect, flow_run_id) == "COMPLETED", (tmp_path / "serve.log").read_text()[-4000:]
+        log = (tmp_path / "serve.log").read_text()
+        assert re.search(r"resumed all components from \S*step-2", log), log[-4000:]
     finally:
         _stop(serve)
         serve_log.close()

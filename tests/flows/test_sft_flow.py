@@ -113,3 +113,19 @@ def test_failed_training_resumes_on_a_fresh_run_without_redoing_data_or_plan(fir
     assert any("resumed all components from" in r.getMessage() and "step-2" in r.getMessage() for r in caplog.records)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # the crashed attempt's step-3 line was replaced, not duplicated
+
+
+def test_force_recomputes_the_named_stage_only(first_run):
+    work, first, _ = first_run
+    with RecordedTaskRuns() as runs:
+        state = sft(config=_config(work), force=["plan"], return_state=True)
+    assert state.is_completed()
+    states = runs.states()
+    assert states["plan"] == ["Completed"]
+    # The recomputed plan is byte-identical, so nothing after it has new inputs.
+    for stage in ("render", "spans", "pbin", "index", "train", "evaluate"):
+        assert states[stage] == ["Cached"], (stage, states)
+    assert state.result().plan == first.result().plan
+
+    with pytest.raises(ValueError, match="unknown stage"):
+        sft(config=_config(work), force=["planning"])
