@@ -85,6 +85,9 @@ def data(
     eval_fraction: Annotated[float | None, typer.Option(help="share of documents held out for evaluation")] = None,
     task_runner: Annotated[str | None, typer.Option(help="threads|processes|dask")] = None,
     workers: Annotated[int | None, typer.Option(help="task-runner workers")] = None,
+    dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
+    shard_bytes: Annotated[int | None, typer.Option(help="split sources into shards of about N bytes")] = None,
+    shard_records: Annotated[int | None, typer.Option(help="split sources into shards of N records")] = None,
     force: Annotated[bool, typer.Option(help="recompute every stage, ignoring the cache")] = False,
     config: Annotated[Path | None, typer.Option(help="YAML file with the same fields (DataConfig)")] = None,
     out: Annotated[Path, typer.Option(help="output folder: shards, index, manifests")] = Path("sftflow-out/data"),
@@ -100,8 +103,10 @@ def data(
     if source:
         raw["sources"] = source
     _set(raw, "tokenizer", tokenizer)
-    _set(raw, "task_runner", task_runner)
-    _set(raw, "workers", workers)
+    for key, value in dict(task_runner=task_runner, workers=workers, dask_address=dask_address).items():
+        _set(raw, key, value)
+    _set(raw, "shard_bytes", shard_bytes)
+    _set(raw, "shard_records", shard_records)
     for key, value in dict(
         template=template, format=format, mask_policy=mask_policy, on_bad_record=on_bad_record
     ).items():
