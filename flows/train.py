@@ -35,8 +35,9 @@ def sft_train(
     data = data or load_data_result(work)
     plan = plan or load_plan_result(work)
     task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
-    options = cfg.train.model_dump(mode="json")
-    result = task(data.index, plan, data.tokenizer.path, data.tokenizer.sha256, options, str(work), fault=fault)
+    options = cfg.train.model_dump(mode="json", exclude={"node_rank"})
+    tok, node_rank = data.tokenizer, cfg.train.node_rank
+    result = task(data.index, plan, tok.path, tok.sha256, options, str(work), fault=fault, node_rank=node_rank)
     write_stage_result(work, "train", result)
     return result
 

@@ -58,6 +58,7 @@ def train_stage_task(
     options: dict,
     work_dir: str,
     fault: str | None = None,
+    node_rank: int = 0,
 ) -> TrainResult:
     index.verify()
     plan.verify()
@@ -70,8 +71,10 @@ def train_stage_task(
         work_dir=work_dir,
     )
     run_dir = TRAIN_CACHE.output_dir(inputs)
+    # Every node of a multi-node run gets the same key (node_rank is not part of it), hence the same run folder.
     config = TrainConfig(
         **options,
+        node_rank=node_rank,
         data=str(Path(index.path).parent),
         plan=str(Path(plan.path).parent),
         tokenizer=tokenizer_path,

@@ -1,0 +1,42 @@
+"""Content-derived cache keys and output validation (the engine-level behaviour is in tests/flows)."""
+
+from __future__ import annotations
+
+from sftflow.tasks.caching import outputs_valid, stage_key, write_checksums
+from sftflow.tasks.manifests import PbinShard
+
+MODULES = ("sftflow.tasks.caching",)
+
+
+def _shard(sha: str) -> PbinShard:
+    return PbinShard(
+        path="/x.pbin", sha256=sha, format_version=1, num_docs=1, num_tokens=2, num_loss_tokens=1, vocab_size=9,
+        token_dtype="uint16",
+    )  # fmt: skip
+
+
+def test_key_follows_content_not_run_details():
+    base = {"shard": _shard("a" * 64), "config": {"lr": 1e-3}, "work_dir": "w"}
+    key = stage_key("train", "1", MODULES, base)
+    assert key == stage_key("train", "1", MODULES, {**base, "fault": "crash_after_step=3", "node_rank": 1})
+    assert key != stage_key("train", "1", MODULES, {**base, "shard": _shard("b" * 64)})
+    assert key != stage_key("train", "1", MODULES, {**base, "config": {"lr": 2e-3}})
+    assert key != stage_key("train", "2", MODULES, base)  # a format version bump
+    assert key != stage_key("plan", "1", MODULES, base)  # equal inputs, another stage: unlike plain INPUTS
+
+
+def test_outputs_valid_detects_missing_and_changed_files(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "big.distcp").write_bytes(b"not listed")
+    assert not outputs_valid(tmp_path)  # nothing listed yet: an incomplete output
+    write_checksums(tmp_path, include=("hf",))
+    assert outputs_valid(tmp_path)
+    (tmp_path / "checkpoints" / "big.distcp").write_bytes(b"changed, but not part of the checked output")
+    assert outputs_valid(tmp_path)
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"tampered")
+    assert not outputs_valid(tmp_path)
+    write_checksums(tmp_path)
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    assert not outputs_valid(tmp_path)
