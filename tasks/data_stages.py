@@ -124,7 +124,9 @@ RENDER_CACHE = StageCache(
         "sftflow.tasks.chat_template",
     ),
 )
-SPANS_CACHE = StageCache(stage="spans", version="1", modules=(*_MODULES, "sftflow.tasks.spans"))
+SPANS_CACHE = StageCache(
+    stage="spans", version="1", modules=(*_MODULES, "sftflow.tasks.spans", "sftflow.tasks.bpe_fast")
+)
 PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), modules=(*_MODULES, "sftflow.tasks.pbin"))
 INDEX_CACHE = StageCache(stage="index", version="1", modules=(*_MODULES, "sftflow.tasks.index"))
 
@@ -185,6 +187,7 @@ def spans_task(rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansCo
         num_rejected=sum(stats.rejected.values()),
         rejected_reasons=dict(stats.rejected),
         config_sha256=sha256_json(config.model_dump(mode="json")),
+        tokenizer_backend=stats.tokenizer_backend,
     )
     write_manifest(out_dir, manifest)
     write_checksums(out_dir)

@@ -56,6 +56,7 @@ class TokenizedShard(Manifest):
     num_rejected: int
     rejected_reasons: dict[str, int] = {}
     config_sha256: str
+    tokenizer_backend: str | None = None  # "hf" or "tiktoken"; None in manifests written before it was recorded
 
 
 class PbinShard(Manifest):

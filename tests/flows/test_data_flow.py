@@ -128,6 +128,8 @@ def test_cli_data_and_inspect(tmp_path, demo):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert (out / "data.json").is_file()
+    # The demo tokenizer is a byte-level BPE, so spans ran on tiktoken (checked against HF).
+    assert {t["tokenizer_backend"] for t in json.loads((out / "data.json").read_text())["tokenized"]} == {"tiktoken"}
     listing = runner.invoke(app, ["inspect", str(out), "--format", "jsonl"])
     assert listing.exit_code == 0
     first = json.loads(listing.output.splitlines()[0])
@@ -140,3 +142,6 @@ def test_cli_data_and_inspect(tmp_path, demo):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "bad.jsonl:1" in result.output and "Traceback" not in result.output
+
+    result = runner.invoke(app, [*args, "--tokenizer-backend", "rust"])
+    assert result.exit_code == 2 and "spans.tokenizer_backend" in result.output
