@@ -44,6 +44,19 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return f"triton needs CUDA (or TRITON_INTERPRET=1 on CPU); tensors are on {device.type}"
 
 
+def always_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return None
+
+
+def triton_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return triton_unavailable_reason(device)
+
+
+# Kernels with a Triton implementation and a PyTorch reference: Triton first on CUDA, the reference first elsewhere.
+TRITON_OR_REFERENCE: dict[str, Availability] = {"triton": triton_available, "reference": always_available}
+TRITON_ON_CUDA: dict[str, tuple[str, ...]] = {"cuda": ("triton", "reference"), "cpu": ("reference", "triton")}
+
+
 def select(
     kernel: str,
     env_var: str,

@@ -147,3 +147,28 @@ def test_triton_bf16_on_gpu(mask_fraction):
     assert rel_err(loss, ref_loss) <= 1e-2
     assert rel_err(hidden.grad, ref_gh) <= 1e-2
     assert rel_err(weight.grad, ref_gw) <= 1e-2
+
+
+def test_chunk_rows_keep_the_masked_peak_under_the_all_trained_one():
+    bf16 = torch.bfloat16
+    assert ce.default_chunk_rows(128256, bf16, 2048) == 512  # Liger's chunk at the issue's shape
+    masked = ce.default_chunk_rows(128256, bf16, 2048, gathered=True)
+    assert masked % 16 == 0 and masked < 512
+    assert masked * (128256 + 2 * 2048) * 2 <= ce.CHUNK_LOGITS_BYTES  # logits + gathered rows + grad rows
+    assert ce.default_chunk_rows(10**9, torch.float32) == 1
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_grad_weight_is_written_by_the_first_chunk_not_accumulated_onto_garbage(chunk_rows):
+    """grad_weight starts as torch.empty: a stale first chunk would show up as a wrong gradient."""
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 13, (11,))
+    labels[::3] = -100
+    for _ in range(2):  # the second call reuses freed (non-zero) memory from the caching allocator
+        hidden.grad = weight.grad = None
+        linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk_rows, backend="reference").backward()
+        ref_w = weight.detach().clone().requires_grad_()
+        F.cross_entropy(hidden.detach() @ ref_w.T, labels, reduction="sum").backward()
+        torch.testing.assert_close(weight.grad, ref_w.grad)
