@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import platform
 
 import numpy as np
@@ -74,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, default=16384)
     parser.add_argument("--variants", nargs="+", default=["triton", "torch"])
-    parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at K=H")
+    parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at every shape")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     T = args.T
@@ -113,7 +112,7 @@ def main() -> None:
             ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
             rows.append((H, K, D, name, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, err))
             print(rows[-1], flush=True)
-        if args.sweep and H == K:
+        if args.sweep:
             sweep(q, k, v, do, cu, max_len, D, fwd_flops)
     base = {(r[0], r[1], r[2]): r for r in rows if r[3] == "torch"}
     now = datetime.date.today().isoformat()
@@ -159,25 +158,39 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
             continue
         print(f"sweep D={D} fwd {cfg}: {ms:.3f} ms {fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         best_fwd = min(best_fwd or (ms, cfg), (ms, cfg), key=lambda x: x[0])
-    dkdv_grid = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 3), (32, 32, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3)]
-    dq_grid = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
-    fwd_cfg = best_fwd[1]
-    for (a, b, c, d), (e, f, g_, h) in itertools.product(dkdv_grid, dq_grid):
-        bwd = {
-            "dkdv": dict(BLOCK_M=a, BLOCK_N=b, num_warps=c, num_stages=d),
-            "dq": dict(BLOCK_M=e, BLOCK_N=f, num_warps=g_, num_stages=h),
-        }
+    H, K = q.shape[1], k.shape[1]
+    # Backward: coordinate descent, dK/dV block shapes with today's dQ config, then dQ with the best dK/dV one.
+    from sftflow.kernels.attention_triton import BWD_CONFIGS
 
-        def fb(bwd=bwd):
+    current = {part: dict(cfg) for part, cfg in BWD_CONFIGS[D].items()}
+    dkdv_grid = [
+        (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3),
+        (64, 64, 8, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
+    ]  # fmt: skip
+    dq_grid = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)]
+
+    def time_bwd(bwd):
+        def fb():
             o = triton_varlen_attention(q, k, v, cu, max_len, scale, fwd_config=fwd_cfg, bwd_config=bwd)
             return torch.autograd.grad(o, (q, k, v), do)
 
         try:
             ms = do_bench(fb, warmup=50, rep=200, return_mode="median")
-        except Exception as err:  # noqa: BLE001
-            print(f"sweep D={D} bwd {bwd}: failed {type(err).__name__}")
-            continue
-        print(f"sweep D={D} fwd+bwd {bwd}: {ms:.3f} ms {3.5 * fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            print(f"sweep H={H} K={K} D={D} bwd {bwd}: failed {type(err).__name__}", flush=True)
+            return float("inf")
+        rate = 3.5 * fwd_flops / ms / 1e9
+        print(f"sweep H={H} K={K} D={D} fwd+bwd {bwd}: {ms:.3f} ms {rate:.0f} TFLOP/s", flush=True)
+        return ms
+
+    fwd_cfg = best_fwd[1]
+    for part, grid in (("dkdv", dkdv_grid), ("dq", dq_grid)):
+        timed = []
+        for bm, bn, w, st in grid:
+            trial = {**current, part: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)}
+            timed.append((time_bwd(trial), trial[part]))
+        current[part] = min(timed, key=lambda x: x[0])[1]
+    print(f"sweep best H={H} K={K} D={D}: fwd {fwd_cfg} bwd {current}", flush=True)
 
 
 if __name__ == "__main__":
