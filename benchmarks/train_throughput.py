@@ -1,6 +1,6 @@
 """End-to-end training throughput on one GPU: sftflow's training step against what users run today.
 
-    python benchmarks/train_throughput.py [--modes A,B,C,D,Dc] [--out DIR]        # the issue-9 benchmark (H200)
+    python benchmarks/train_throughput.py [--modes A,B,C,D,De] [--out DIR]        # the issue-9 benchmark (H200)
     python benchmarks/train_throughput.py --gpu-check DIR                         # the issue-4 worker check
     python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
 
@@ -20,13 +20,13 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **B** (best assembly of libraries): the same packed rows as D, torch `varlen_attn` registered as a transformers
   attention function, Liger's fused linear cross-entropy (sum / trained tokens).
 - **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
-- **D** (sftflow): the worker's own step: `RankBatches` (plan rows through the collators), `forward_backward`
-  (`CausalLMLoss`: sftflow varlen attention + fused linear CE, loss / the plan's step trained-token count),
-  `clip_gradients`, `optimizer.step`, the all-reduce of the step's statistics, the scheduler and `MetricsLogger`.
-- **Dc** (experiment, not what `sftflow train` runs): D plus the regional compile of C; sftflow's attention function
-  runs under `torch.compiler.disable` (a graph break around it in each layer).
-- **Df** (experiment): D with `torch.optim.AdamW(fused=True)` (same groups and hyper-parameters).
-- **Dx** (experiment): Dc + Df + RoPE computed in the projections' (B, T, H, D) layout (`tmajor_rope`).
+- **D** (sftflow): the worker's own step, imported, not copied: `build_model`, the worker's default `compile="auto"`
+  (on CUDA: each decoder layer's forward through `torch.compile(dynamic=True)`, sftflow's attention under
+  `torch.compiler.disable`, RoPE in the projections' layout), `shard_model`, `build_optimizer` and
+  `sftflow.tasks.train.worker.train_step` (`RankBatches` rows through the collators; `CausalLMLoss`: sftflow varlen
+  attention + fused linear CE, loss / the plan's step trained-token count; clip folded into the fused AdamW; one
+  host sync for the step's statistics), then the scheduler and `MetricsLogger`.
+- **De**: D with `compile="off"` (eager), to show what compilation buys.
 
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
@@ -86,7 +86,7 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
-MODES = ("A", "B", "C", "D", "Dc", "Df", "Dx")
+MODES = ("A", "B", "C", "D", "De")
 BASELINE_ATTENTION = "bench_torch_varlen"
 
 
@@ -212,33 +212,6 @@ def compile_layers(lm: nn.Module) -> None:
 
     for layer in decoder_layers(lm):
         layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
-@contextlib.contextmanager
-def tmajor_rope(enabled: bool):
-    """Experiment: Llama's `apply_rotary_pos_emb` computed in the (B, T, H, D) layout the projections produce.
-
-    Eager already keeps that layout, but inductor's fused RoPE kernel writes the (B, H, T, D) shape contiguously (a
-    transposing, uncoalesced write: ~0.4 ms per layer forward at T=16384 in the first H200 run). Same values."""
-    if not enabled:
-        yield
-        return
-    from transformers.models.llama import modeling_llama
-
-    original = modeling_llama.apply_rotary_pos_emb
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
-        q_embed = qt * c + modeling_llama.rotate_half(qt) * s
-        k_embed = kt * c + modeling_llama.rotate_half(kt) * s
-        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
-
-    modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
-    try:
-        yield
-    finally:
-        modeling_llama.apply_rotary_pos_emb = original
 
 
 def dynamo_stats() -> dict:
@@ -407,13 +380,10 @@ class Bench:
 
             return AutoModelForCausalLM.from_config(self.lm_config, attn_implementation=attn).to(torch.float32)
 
-    def optimizer(self, model, fused: bool = False):
+    def optimizer(self, model):
         from sftflow.tasks.train.worker import build_optimizer, lr_factor
 
         optimizer = build_optimizer(model, self.optim_c)
-        if fused:  # experiment: the same groups and hyper-parameters, one fused kernel instead of foreach passes
-            groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in optimizer.param_groups]
-            optimizer = torch.optim.AdamW(groups, fused=True)
         from sftflow.tasks.train import config as cfg
 
         schedule = cfg.schedule_config(self.train_config, self.args.warmup + self.args.steps + 64)
@@ -558,36 +528,34 @@ class Bench:
             result["dynamo"] = dynamo_stats()
         return result
 
-    # -- D / Dc -------------------------------------------------------------------------------------------------------
-    def mode_d(self, name: str, profile_dir: Path | None, compiled=False, rope_tmajor=False, fused_adam=False) -> dict:
-        """The worker's step (see `sftflow.tasks.train.worker.train`), on the plan's rows; the keyword flags are
-        experiments (not what `sftflow train` runs today)."""
+    # -- D / De -------------------------------------------------------------------------------------------------------
+    def mode_d(self, name: str, profile_dir: Path | None, compile_mode: str = "auto") -> dict:
+        """The worker's step: `build_model`, the worker's `compile` setting, `shard_model`, `build_optimizer`, and
+        `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
+        worker's loop runs them. `De` is the same with `compile="off"` (eager)."""
+        from transformers.models.llama import modeling_llama
+
+        from sftflow.tasks.train import config as cfg
+        from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.fsdp import shard_model
         from sftflow.tasks.train.metrics import MetricsLogger
-        from sftflow.tasks.train.model import attention_width, count_params
-        from sftflow.tasks.train.worker import clip_gradients, forward_backward
+        from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
+        from sftflow.tasks.train.worker import train_step
 
         args, env, plan = self.args, self.env, self.plan
+        compiled = resolve_compile(compile_mode, env.device)
         warmup = args.compile_warmup if compiled else args.warmup
         lm = self.build_lm("", packed_worker=True)
         self.set_shape(lm)
+        original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
         if compiled:
-            # Keep sftflow's attention (Triton kernels in an autograd.Function) out of the compiled graphs: a graph
-            # break around it, so a tracing problem there cannot fail the run. build_model registered the original.
-            from transformers import AttentionInterface
-
-            from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention
-
-            AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(sftflow_varlen_attention))
             torch._dynamo.reset()
-            compile_layers(lm)
+            compile_layers(decoder_layers(lm))
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         model = shard_model(lm, env, self.param_dtype)
-        optimizer, scheduler = self.optimizer(model, fused=fused_adam)
+        optimizer, scheduler = self.optimizer(model)
         _, n_dense = count_params(lm)
-        from sftflow.tasks.train import config as cfg
-
         metrics_path = Path(args.tmp) / f"metrics-{name}.jsonl"
         metrics = MetricsLogger(
             cfg.MetricsConfig(path=metrics_path, ema_alpha=0.9, log_every=10**9, peak_flops=None),
@@ -610,39 +578,30 @@ class Bench:
             return now
 
         def step(s, breakdown=False):
-            # -- the body of the worker's training loop, unchanged (skip/NaN branches elided: never taken here) --
+            # -- the worker's loop body (skip/NaN branches elided: never taken here) --
             t0 = time.perf_counter()
             step_loss_tokens = int(plan.step_loss_tokens[s])
             micro_batches = batches(s)
             tb = mark("collate", t0, breakdown)
-            local = forward_backward(model, micro_batches, step_loss_tokens, env.device)
-            tb = mark("forward_backward", tb, breakdown)
-            grad_norm = clip_gradients(model, self.optim_c.grad_clip)
-            tb = mark("clip_gradients", tb, breakdown)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tb = mark("optimizer", tb, breakdown)
-            totals = local.to(env.device)
-            dist.all_reduce(totals)
-            loss_sum, targets, tokens, sum_sq = totals.tolist()
-            if int(targets) != step_loss_tokens:
-                raise AssertionError(f"step {s}: plan {step_loss_tokens} trained tokens, batches {int(targets)}")
+            result = train_step(model, optimizer, micro_batches, step_loss_tokens, self.optim_c.grad_clip, env.device)
+            tb = mark("train_step", tb, breakdown)
+            if result.targets != step_loss_tokens:
+                raise AssertionError(f"step {s}: plan {step_loss_tokens} trained tokens, batches {result.targets}")
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             metrics.log(
                 step=s + 1,
                 epoch=0,
-                loss=loss_sum / step_loss_tokens,
-                grad_norm=grad_norm,
+                loss=result.loss_sum / step_loss_tokens,
+                grad_norm=result.grad_norm,
                 lr=lr,
                 trained_tokens=step_loss_tokens,
-                tokens=int(tokens),
-                sum_sq_doc_lengths=sum_sq,
+                tokens=result.tokens,
+                sum_sq_doc_lengths=result.sum_sq_doc_lengths,
                 seconds=time.perf_counter() - t0,
             )
-            mark("stats_sync_metrics", tb, breakdown)
-            return int(tokens), sum_sq
+            mark("scheduler_metrics", tb, breakdown)
+            return result.tokens, result.sum_sq_doc_lengths
 
         from sftflow.kernels.attention import select_backend as attention_backend
         from sftflow.kernels.cross_entropy import select_backend as ce_backend
@@ -650,29 +609,28 @@ class Bench:
         dtype = self.param_dtype
         extra = {
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
-            f"CE {ce_backend(env.device, dtype).name}"
-            + (", compiled layers (dynamic)" if compiled else "")
-            + (", T-major RoPE" if rope_tmajor else "")
-            + (", fused AdamW" if fused_adam else ""),
+            f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}"
+            + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
         }
-        with tmajor_rope(rope_tmajor):
+        try:
             result = self.timed(name, step, warmup, args.steps, extra)
-        if compiled:
-            result["dynamo"] = dynamo_stats()
-        losses = [json.loads(line)["loss"] for line in metrics_path.read_text().splitlines()]
-        result["loss_first_last"] = [losses[0], losses[-1]]
-        first_extra = warmup + args.steps
-        if name == "D" and args.breakdown_steps and first_extra + args.breakdown_steps <= plan.num_steps:
-            for s in range(first_extra, first_extra + args.breakdown_steps):
-                step(s, breakdown=True)
-            result["breakdown_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in timings.items()}
-            first_extra += args.breakdown_steps
-        wanted = profile_dir is not None and name in ("D", "Dx") and args.profile_steps
-        if wanted and first_extra + args.profile_steps <= plan.num_steps:
-            profiled = range(first_extra, first_extra + args.profile_steps)
-            with tmajor_rope(rope_tmajor):
+            if compiled:
+                result["dynamo"] = dynamo_stats()
+            losses = [json.loads(line)["loss"] for line in metrics_path.read_text().splitlines()]
+            result["loss_first_last"] = [losses[0], losses[-1]]
+            first_extra = warmup + args.steps
+            if name == "D" and args.breakdown_steps and first_extra + args.breakdown_steps <= plan.num_steps:
+                for s in range(first_extra, first_extra + args.breakdown_steps):
+                    step(s, breakdown=True)
+                result["breakdown_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in timings.items()}
+                first_extra += args.breakdown_steps
+            wanted = profile_dir is not None and name == "D" and args.profile_steps
+            if wanted and first_extra + args.profile_steps <= plan.num_steps:
+                profiled = range(first_extra, first_extra + args.profile_steps)
                 result["profile"] = profile_steps(step, profiled, env.device, profile_dir / f"profile_{name}.txt")
-        return result
+            return result
+        finally:
+            modeling_llama.apply_rotary_pos_emb = original_rope
 
 
 def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
@@ -734,11 +692,19 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
 
 
 def gpu_check(
-    work: Path, steps=30, crash_after=20, timeout_s=150.0, device="cuda", out: Path | None = None, nproc: int = 1
+    work: Path,
+    steps=30,
+    crash_after=20,
+    timeout_s=150.0,
+    device="cuda",
+    out: Path | None = None,
+    nproc: int = 1,
+    model: str = "small",
 ) -> dict:
     """Train a small real-shaped Llama (8 layers, hidden 1024, vocab 32k; bf16 on CUDA) with `sftflow`'s worker
     under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the worker's fault hook), then a
-    `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only)."""
+    `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only).
+    `model="llama1b"`: the throughput benchmark's 1B model instead, one uninterrupted run (for 1 vs 2 GPU scaling)."""
     from transformers import LlamaConfig
 
     from sftflow.tasks.plan import PlanConfig, plan, save_plan
@@ -747,7 +713,8 @@ def gpu_check(
 
     work.mkdir(parents=True, exist_ok=True)
     small = device == "cpu"
-    vocab, row = (512, 256) if small else (32000, 16384)
+    big = model == "llama1b"
+    vocab, row = (512, 256) if small else (PRESETS["llama1b"]["vocab_size"] if big else 32000, 16384)
     mock = MockConfig(
         num_docs=(320 if small else 900) * nproc,  # the same steps for any nproc: weak scaling
         vocab_size=vocab,
@@ -766,17 +733,20 @@ def gpu_check(
     (work / "plan").mkdir(exist_ok=True)
     save_plan(arrays, work / "plan" / "plan.npz")
     model_json = work / "model.json"
-    LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64 if small else 1024,
-        num_hidden_layers=2 if small else 8,
-        num_attention_heads=4 if small else 16,
-        num_key_value_heads=2 if small else 8,
-        head_dim=16 if small else 64,
-        intermediate_size=128 if small else 4096,
-        tie_word_embeddings=False,
-        max_position_embeddings=8192,
-    ).to_json_file(str(model_json))
+    if big:
+        llama_config("llama1b").to_json_file(str(model_json))
+    else:
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64 if small else 1024,
+            num_hidden_layers=2 if small else 8,
+            num_attention_heads=4 if small else 16,
+            num_key_value_heads=2 if small else 8,
+            head_dim=16 if small else 64,
+            intermediate_size=128 if small else 4096,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+        ).to_json_file(str(model_json))
     run_dir = work / "run"
     config = TrainConfig(
         mock=mock,
@@ -784,7 +754,8 @@ def gpu_check(
         model=str(model_json),
         out=str(run_dir),
         max_steps=steps,
-        checkpoint_every=10,
+        checkpoint_every=0 if big else 10,
+        export=not big,
         keep_last=2,
         warmup_steps=3,
         lr=3e-4,
@@ -810,13 +781,18 @@ def gpu_check(
         logs.append(out)
         return proc.returncode, time.perf_counter() - t0, out
 
-    code1, wall1, out1 = attempt(config, f"crash_after_step={crash_after}")
-    code2, wall2, out2 = attempt(config.model_copy(update={"resume": True}), None)
+    if big:  # one run, no crash: only the throughput matters here
+        code1, wall1 = None, 0.0
+        code2, wall2, out2 = attempt(config, None)
+    else:
+        code1, wall1, out1 = attempt(config, f"crash_after_step={crash_after}")
+        code2, wall2, out2 = attempt(config.model_copy(update={"resume": True}), None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_logged = [r["step"] for r in records]
     peak = [line for line in out2.splitlines() if "peak memory" in line]
     resumed = [line for line in out2.splitlines() if "resumed" in line]
-    timed = [r for r in records if r["step"] > 3 and r["step"] not in (crash_after + 1,)]
+    warm = 6 if big else 3  # compiled layers (the default on CUDA) take a few steps to settle
+    timed = [r for r in records if r["step"] > warm and r["step"] not in (crash_after + 1,)]
     hf = run_dir / "hf"
     result = {
         "nproc": nproc,
@@ -891,7 +867,7 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="D,B,A,C,Dc,Df,Dx", help=f"comma-separated subset of {','.join(MODES)}, in order")
+    p.add_argument("--modes", default="D,B,A,C,De", help=f"comma-separated subset of {','.join(MODES)}, in order")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--row-tokens", type=int, default=16384)
@@ -910,6 +886,9 @@ def parse_args(argv=None):
     p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the issue-4 worker check in DIR first")
     p.add_argument("--gpu-check-only", action="store_true")
     p.add_argument("--gpu-check-nproc", default="1", help="comma-separated process counts for the worker check")
+    p.add_argument("--gpu-check-model", choices=("small", "llama1b"), default="small")
+    p.add_argument("--gpu-check-steps", type=int, default=30)
+    p.add_argument("--gpu-check-timeout", type=float, default=150.0, help="seconds per torchrun attempt")
     return p.parse_args(argv)
 
 
@@ -930,7 +909,15 @@ def main(argv=None) -> dict:
         for nproc in (int(n) for n in args.gpu_check_nproc.split(",")):
             try:
                 work = Path(args.gpu_check) / f"nproc{nproc}"
-                checks[nproc] = gpu_check(work, device=args.device, out=out, nproc=nproc)
+                checks[nproc] = gpu_check(
+                    work,
+                    device=args.device,
+                    out=out,
+                    nproc=nproc,
+                    model=args.gpu_check_model,
+                    steps=args.gpu_check_steps,
+                    timeout_s=args.gpu_check_timeout,
+                )
             except Exception as err:
                 traceback.print_exc()
                 checks[nproc] = {"error": repr(err)}
@@ -971,9 +958,7 @@ def main(argv=None) -> dict:
             "B": partial(bench.mode_bc, compiled=False),
             "C": partial(bench.mode_bc, compiled=True),
             "D": partial(bench.mode_d, "D", out),
-            "Dc": partial(bench.mode_d, "Dc", out, compiled=True),
-            "Df": partial(bench.mode_d, "Df", out, fused_adam=True),
-            "Dx": partial(bench.mode_d, "Dx", out, compiled=True, rope_tmajor=True, fused_adam=True),
+            "De": partial(bench.mode_d, "De", out, compile_mode="off"),
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:

@@ -81,6 +81,9 @@ def data(
     eos: Annotated[str | None, typer.Option(help="auto|always|never")] = None,
     max_length: Annotated[int | None, typer.Option(help="longest document in tokens")] = None,
     length_policy: Annotated[str | None, typer.Option(help="drop|truncate")] = None,
+    tokenizer_backend: Annotated[
+        str | None, typer.Option(help="auto|hf|tiktoken: who tokenizes in spans (auto: tiktoken when exact)")
+    ] = None,
     on_bad_record: Annotated[str | None, typer.Option(help="error|reject")] = None,
     eval_fraction: Annotated[float | None, typer.Option(help="share of documents held out for evaluation")] = None,
     task_runner: Annotated[str | None, typer.Option(help="threads|processes|dask")] = None,
@@ -111,7 +114,10 @@ def data(
         template=template, format=format, mask_policy=mask_policy, on_bad_record=on_bad_record
     ).items():
         _set(raw["render"], key, value)
-    for key, value in dict(bos=bos, eos=eos, max_length=max_length, length_policy=length_policy).items():
+    spans = dict(
+        bos=bos, eos=eos, max_length=max_length, length_policy=length_policy, tokenizer_backend=tokenizer_backend
+    )
+    for key, value in spans.items():
         _set(raw["spans"], key, value)
     _set(raw["index"], "eval_fraction", eval_fraction)
     if max_length is not None:
@@ -238,6 +244,7 @@ def train(
     node_rank: Annotated[int | None, typer.Option(help="this node's rank")] = None,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="host:port of the c10d rendezvous")] = None,
     rdzv_id: Annotated[str | None, typer.Option(help="rendezvous id shared by all nodes")] = None,
+    compile: Annotated[str | None, typer.Option(help="auto|off|layers: torch.compile each decoder layer")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML with TrainConfig fields")] = None,
 ) -> None:
     """Train with torchrun (FSDP2, packed rows, DCP checkpoints) and export a Hugging Face folder."""
@@ -265,6 +272,7 @@ def train(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id,
+        compile=compile,
     )
     for key, value in flags.items():
         _set(raw, key, value)

@@ -66,6 +66,9 @@ class TrainConfig(BaseModel):
         "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
     )
     max_nonfinite_steps: int = Field(3, ge=0, description="fail after this many consecutive skipped NaN/inf steps")
+    compile: Literal["auto", "off", "layers"] = Field(
+        "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
+    )
 
     # checkpoints and export
     checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")

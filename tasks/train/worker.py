@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,27 +35,24 @@ from sftflow.tasks.train.checkpoint import (
     SchedulerState,
     full_model_state_dict,
 )
+from sftflow.tasks.train.compile import compile_layers, resolve_compile
 from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
-from sftflow.tasks.train.model import attention_width, build_model, count_params, model_batch
+from sftflow.tasks.train.model import attention_width, build_model, count_params, decoder_layers, model_batch
 
 log = logging.getLogger("sftflow.train")
 
 
 def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms and biases).
-
-    On CUDA the fused implementation (one kernel for all parameters; +2% step throughput on a 1B model on H200,
-    `benchmarks/RESULTS.md`), elsewhere the foreach one.
-    """
+    """Fused AdamW (one kernel for all parameters, CPU and CUDA); weight decay on matrices only (not on norms and
+    biases). Fused, because `optimizer_step` hands it the clipping factor and the non-finite flag as device tensors,
+    so clipping and skipping cost no extra pass over the gradients and no host sync."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    impl = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **impl)
+    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, fused=True)
 
 
 def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
@@ -86,15 +85,61 @@ def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: 
     return torch.cat([loss_total.reshape(1), counts.to(device)])
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
-    """Global gradient L2 norm (over all shards), clipped in place when `max_norm` is set."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """Global gradient L2 norm over all shards, as a 0-d fp32 tensor on the device (no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    if max_norm is not None and math.isfinite(norm.item()):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm.item()
+    return norm.float()
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """Clip to `max_norm` by the global norm and step, skipping the update when the norm is not finite.
+
+    Both go into the fused AdamW kernel as device tensors: it divides every gradient by `grad_scale`
+    (= max(1, norm / max_norm), which is `clip_grad_norm_`'s factor) and leaves parameters, moments and step
+    counters untouched when `found_inf` is set. Returns the (unclipped) norm tensor.
+    """
+    norm = grad_norm(model)
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    optimizer.grad_scale = None if max_norm is None else torch.clamp(norm / max_norm, min=1.0)
+    optimizer.step()
+    return norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTotals:
+    """One optimizer step, summed over ranks."""
+
+    loss_sum: float
+    targets: int
+    tokens: int
+    sum_sq_doc_lengths: float
+    grad_norm: float
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[dict],
+    step_loss_tokens: int,
+    max_norm: float | None,
+    device: torch.device,
+    after_backward=None,
+) -> StepTotals:
+    """The training step, as the worker runs it (and `benchmarks/train_throughput.py` times it): forward and
+    backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals."""
+    local = forward_backward(model, batches, step_loss_tokens, device)
+    if after_backward is not None:
+        after_backward()
+    norm = optimizer_step(model, optimizer, max_norm)
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(local)
+    loss_sum, targets, tokens, sum_sq, norm_value = torch.cat([local, norm.double().reshape(1)]).tolist()
+    return StepTotals(
+        loss_sum=loss_sum, targets=int(targets), tokens=int(tokens), sum_sq_doc_lengths=sum_sq, grad_norm=norm_value
+    )
 
 
 def save_full_grads(model: torch.nn.Module, path: Path, env: DistEnv) -> None:
@@ -152,6 +197,9 @@ def train(run_dir: Path) -> None:
     total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
 
     lm = build_model(config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides)
+    compiled = resolve_compile(config.compile, env.device)
+    if compiled:
+        compile_layers(decoder_layers(lm))
     model = shard_model(lm, env, compute_dtype(env, config.dtype))
     optim_c = cfg.optim_config(config)
     optimizer = build_optimizer(model, optim_c)
@@ -181,7 +229,7 @@ def train(run_dir: Path) -> None:
         print(
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
-            f"({plan.mode}), training steps {progress.step}..{total_steps}",
+            f"({plan.mode}), training steps {progress.step}..{total_steps}" + (", compiled layers" if compiled else ""),
             flush=True,
         )
 
@@ -191,26 +239,30 @@ def train(run_dir: Path) -> None:
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
         skipped = None
-        loss = grad_norm = None
-        totals = torch.zeros(4, dtype=torch.float64, device=env.device)
+        loss = grad_norm_value = None
         if step_loss_tokens == 0:
-            skipped = "no trained tokens in this step"  # every rank reads the same plan, so all skip together
+            # Every rank reads the same plan, so all skip together; the all-reduce keeps the ranks in step.
+            skipped = "no trained tokens in this step"
+            totals = torch.zeros(4, dtype=torch.float64, device=env.device)
+            dist.all_reduce(totals)
+            loss_sum, targets, tokens, sum_sq = totals.tolist()
         else:
-            totals = forward_backward(model, batches(step), step_loss_tokens, env.device)
+            save_grads = None
             if step + 1 in config.save_grads_at_steps:
-                save_full_grads(lm, Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors", env)
-            grad_norm = clip_gradients(model, optim_c.grad_clip)
-            if math.isfinite(grad_norm):
-                optimizer.step()
+                grads_path = Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors"
+                save_grads = partial(save_full_grads, lm, grads_path, env)
+            result = train_step(
+                model, optimizer, batches(step), step_loss_tokens, optim_c.grad_clip, env.device, save_grads
+            )
+            loss_sum, targets, tokens = result.loss_sum, result.targets, result.tokens
+            sum_sq, grad_norm_value = result.sum_sq_doc_lengths, result.grad_norm
+            if math.isfinite(grad_norm_value):
                 nonfinite_in_a_row = 0
             else:
-                skipped = f"non-finite gradient norm {grad_norm}"
+                skipped = f"non-finite gradient norm {grad_norm_value}"  # the fused AdamW skipped the update
                 nonfinite_in_a_row += 1
                 if nonfinite_in_a_row > optim_c.max_nonfinite_steps:
                     raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
-            optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(totals)
-        loss_sum, targets, tokens, sum_sq = totals.tolist()
         if step_loss_tokens and int(targets) != step_loss_tokens:
             raise ValueError(
                 f"{plan_path(config.plan)}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
@@ -228,7 +280,7 @@ def train(run_dir: Path) -> None:
             step=progress.step,
             epoch=progress.epoch,
             loss=loss,
-            grad_norm=grad_norm,
+            grad_norm=grad_norm_value,
             lr=lr,
             trained_tokens=step_loss_tokens,
             tokens=int(tokens),

@@ -1,0 +1,91 @@
+"""Regional compilation of the decoder layers (`compile="layers"`).
+
+Each decoder layer's `forward` goes through `torch.compile(dynamic=True)`: one graph serves every layer and every row
+length, and inductor fuses the elementwise work around the matmuls (RMSNorm, RoPE, SiLU·mul, residual adds), which
+is about a quarter of an eager step on a 1B model (`benchmarks/RESULTS.md`, issue #9). FSDP's hooks stay outside the
+compiled region. sftflow's attention (Triton kernels inside an autograd.Function) runs under
+`torch.compiler.disable`, a graph break in each layer, so a tracing problem there cannot fail a run.
+
+RoPE. Llama-style `apply_rotary_pos_emb` gets `q`/`k` as (B, H, T, D) views of the projections' (B, T, H, D)
+output. Inductor's fused RoPE wrote the (B, H, T, D) shape contiguously (a transposing, uncoalesced write), and its
+backward ran at ~0.4 TB/s, ~9 ms of a 272 ms step on an H200 together. `_tmajor_rope` calls
+`sftflow.kernels.rope.rotary` (one row-wise kernel, forward and backward, in the projections' layout, a custom op
+that compiled graphs call without a break). It replaces a modeling module's function only after checking, on random
+inputs, that it gives the same result as the original, so a family whose RoPE differs (partial rotary, interleaved)
+is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import torch
+from torch import nn
+
+log = logging.getLogger("sftflow.train")
+
+CompileMode = Literal["auto", "off", "layers"]
+
+
+def resolve_compile(mode: CompileMode, device: torch.device) -> bool:
+    """`auto` compiles on CUDA only: on CPU the compile time outweighs the gain for the tiny models run there."""
+    if mode == "auto":
+        return device.type == "cuda"
+    return mode == "layers"
+
+
+def _tmajor_rope(original):
+    from sftflow.kernels.rope import rotary
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1:  # not the (B, H, T, D) call this replacement is for
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return rotary(q, cos, sin), rotary(k, cos, sin)
+
+    return apply_rotary_pos_emb
+
+
+def _same_rope(original, candidate) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64)
+    cos = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64)
+    sin = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64)
+    try:
+        expected = original(q, k, cos, sin)
+        got = candidate(q, k, cos, sin)
+    except Exception:  # a different signature or shape contract: not the Llama-style function
+        return False
+    return all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def patch_rope_layout(layer: nn.Module) -> bool:
+    """Swap the layer's modeling module's `apply_rotary_pos_emb` for the T-major one, when provably equal."""
+    module = sys.modules.get(type(layer).__module__)
+    original = getattr(module, "apply_rotary_pos_emb", None)
+    if original is None or not hasattr(module, "rotate_half"):
+        return False
+    if getattr(original, "_sftflow_tmajor", False):
+        return True
+    candidate = _tmajor_rope(original)
+    if not _same_rope(original, candidate):
+        log.info("compile: %s has its own RoPE; left as it is", module.__name__)
+        return False
+    candidate._sftflow_tmajor = True
+    module.apply_rotary_pos_emb = candidate
+    return True
+
+
+def compile_layers(layers: list[nn.Module]) -> None:
+    """Compile each decoder layer's forward (call before `fully_shard`, after the attention is registered)."""
+    from transformers import AttentionInterface
+
+    from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention
+
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(sftflow_varlen_attention))
+    rope = patch_rope_layout(layers[0]) if layers else False
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    log.info("compile: %d decoder layers (dynamic shapes%s)", len(layers), ", T-major RoPE" if rope else "")

@@ -1,0 +1,161 @@
+"""The training step's pieces: clipping and non-finite skipping folded into the fused AdamW, and regional compilation
+(with the T-major RoPE) giving the eager model's loss and gradients."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sftflow.tasks.train.collate import collate, packed_collator
+from sftflow.tasks.train.compile import compile_layers, patch_rope_layout, resolve_compile
+from sftflow.tasks.train.config import OptimConfig
+from sftflow.tasks.train.model import CausalLMLoss, build_model, decoder_layers, model_batch
+from sftflow.tasks.train.worker import build_optimizer, optimizer_step
+
+CPU = torch.device("cpu")
+OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0, max_nonfinite_steps=3)
+
+
+def _net(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _backward(net: nn.Module, scale: float) -> None:
+    x = torch.linspace(-1, 1, 30).reshape(5, 6)
+    (net(x).square().sum() * scale).backward()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 50.0])  # below and above the clip threshold
+def test_fused_clip_equals_clip_grad_norm_then_adamw(scale):
+    ours, ref = _net(), _net()
+    opt = build_optimizer(ours, OPTIM)
+    groups = [
+        {"params": [p for p in ref.parameters() if p.ndim >= 2], "weight_decay": OPTIM.weight_decay},
+        {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    ref_opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, foreach=False)
+    for _ in range(3):
+        _backward(ours, scale)
+        _backward(ref, scale)
+        norm = optimizer_step(ours, opt, OPTIM.grad_clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), OPTIM.grad_clip)
+        ref_opt.step()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        # clip_grad_norm_ divides by (norm + 1e-6); the fused step by norm exactly
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_gradient_skips_the_whole_update():
+    net = _net()
+    opt = build_optimizer(net, OPTIM)
+    _backward(net, 1.0)
+    optimizer_step(net, opt, OPTIM.grad_clip)
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    state_before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()}
+    _backward(net, 1.0)
+    next(net.parameters()).grad[0, 0] = float("nan")
+    norm = optimizer_step(net, opt, OPTIM.grad_clip)
+    assert not torch.isfinite(norm)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p in net.parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state_before[id(p)][k]), k  # moments and the step counter too
+    opt.zero_grad()
+    _backward(net, 1.0)  # and the next finite step updates again
+    optimizer_step(net, opt, OPTIM.grad_clip)
+    assert any(not torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_compile_auto_is_cuda_only():
+    assert resolve_compile("auto", torch.device("cuda")) is True
+    assert resolve_compile("auto", CPU) is False
+    assert resolve_compile("layers", CPU) is True
+    assert resolve_compile("off", torch.device("cuda")) is False
+
+
+def test_rope_patch_only_replaces_a_function_it_reproduces(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = build_model("tiny-llama", vocab_size=50, packed=True)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    assert patch_rope_layout(decoder_layers(model)[0])
+    assert modeling_llama.apply_rotary_pos_emb._sftflow_tmajor
+
+    # A family whose RoPE rotates only part of the head (as some models do) must be left alone.
+    def partial_rope(q, k, cos, sin, unsqueeze_dim=1):
+        half = q.shape[-1] // 2
+        c, s = cos.unsqueeze(unsqueeze_dim)[..., :half], sin.unsqueeze(unsqueeze_dim)[..., :half]
+
+        def rot(x):
+            rotated = x[..., :half] * c + modeling_llama.rotate_half(x[..., :half]) * s
+            return torch.cat([rotated, x[..., half:]], -1)
+
+        return rot(q), rot(k)
+
+    fake = types.ModuleType("sftflow_test_partial_rope")
+    fake.apply_rotary_pos_emb, fake.rotate_half = partial_rope, modeling_llama.rotate_half
+    layer_cls = type("FakeLayer", (nn.Module,), {"__module__": fake.__name__})
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    assert not patch_rope_layout(layer_cls())
+    assert fake.apply_rotary_pos_emb is partial_rope
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradients(monkeypatch):
+    """`compile="layers"` on CPU (inductor): same loss and gradients as eager on a packed row of several documents;
+    a second row of another length reuses the dynamic-shape graph."""
+    from transformers import AttentionInterface
+    from transformers.models.llama import modeling_llama
+
+    from sftflow.tasks.train.model import ATTENTION_NAME, register_attention
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    register_attention()
+    original_attention = AttentionInterface._global_mapping[ATTENTION_NAME]
+    rng = np.random.default_rng(0)
+
+    def row(lengths):
+        docs = [(rng.integers(0, 100, n), np.array([[n // 3, n]], dtype=np.int32)) for n in lengths]
+        return model_batch(collate(docs, packed_collator()), CPU)
+
+    rows = [row([7, 1, 12, 5]), row([9, 16])]
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        lm = build_model("tiny-llama", vocab_size=100, packed=True)
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers(decoder_layers(lm))
+        model = CausalLMLoss(lm)
+        out = []
+        for batch in rows:
+            model.zero_grad()
+            loss = model(**batch)
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if compiled:  # the layers really ran through dynamo, and the second row length did not recompile
+            from torch._dynamo.utils import counters
+
+            assert counters["stats"]["unique_graphs"] >= 1
+            assert not counters["recompiles"], dict(counters["recompiles"])
+        return out
+
+    try:
+        eager, compiled = run(False), run(True)
+    finally:
+        AttentionInterface.register(ATTENTION_NAME, original_attention)
+        torch._dynamo.reset()
+    for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-5, msg=name)
