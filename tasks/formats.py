@@ -1,7 +1,8 @@
 """Record formats, each normalised to OpenAI-style `messages` (or to text with character spans).
 
 - `messages`: `messages` (roles system/user/assistant/tool, `tool_calls`, `reasoning_content`, `name`) and an
-  optional record-level `tools`; validated and kept.
+  optional record-level `tools`; validated and kept. `content` is a string or a list of text parts
+  (`[{"type": "text", "text": ...}]`, joined); other parts are errors.
 - `sharegpt`: `conversations` of `{from, value}`, optional `system` and `tools`. human→user, gpt→assistant,
   function_call→assistant with `tool_calls` (the value is the call as JSON), observation→tool.
 - `prompt_completion`: `prompt` and `completion`, each a string or a list of messages; optional `system`.
@@ -96,6 +97,29 @@ def _string(record: dict, key: str, source: str, field: str, required: bool = Tr
     return value
 
 
+def _text_content(message: dict, source: str, field: str) -> str:
+    """`content` as a string; OpenAI's list of content parts is joined when every part is text.
+
+    Chat templates that accept parts render the text parts back to back, so joining them with nothing between gives
+    the same text. Other parts (images, audio, files) have no place in a text model's rendering: they are errors.
+    """
+    value = message.get("content")
+    if not isinstance(value, list):
+        return _string(message, "content", source, field)
+    texts = []
+    for i, part in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(part, dict):
+            raise RecordError(
+                source, where, f'is {_kind(part)}; expected a content part {{"type": "text", "text": ...}}'
+            )
+        if part.get("type") != "text":
+            raise RecordError(source, f"{where}.type", f"is {part.get('type')!r}; only text parts can be rendered")
+        texts.append(_string(part, "text", source, f"{where}.text"))
+    message["content"] = "".join(texts)
+    return message["content"]
+
+
 def _parse_json_string(value: Any, source: str, field: str) -> Any:
     if isinstance(value, str):
         try:
@@ -178,7 +202,7 @@ def normalize_messages(value: Any, source: str, field: str = "messages") -> list
             _string(message, key, source, f"{where}.{key}", required=False)
         if "content" not in message and "tool_calls" in message:
             message["content"] = ""
-        content = _string(message, "content", source, f"{where}.content")
+        content = _text_content(message, source, f"{where}.content")
         if role == "assistant" and not content.strip() and "tool_calls" not in message:
             if not message.get("reasoning_content", "").strip():
                 raise RecordError(source, f"{where}.content", "is empty; an assistant turn needs content or tool_calls")

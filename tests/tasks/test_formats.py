@@ -57,6 +57,24 @@ def test_messages_keep_tools_names_reasoning_and_drop_none():
     assert conv.tools == [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 
 
+def test_text_content_parts_are_joined_like_a_string():
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]
+    record = {
+        "messages": [
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": [{"type": "text", "text": "4"}]},
+        ]
+    }
+    as_parts = normalize_record(record, "messages", "d.jsonl:1")
+    as_strings = normalize_record(
+        {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+        "messages",
+        "d.jsonl:1",
+    )
+    assert as_parts.messages == as_strings.messages
+    assert record["messages"][0]["content"] is parts  # the caller's record is not modified
+
+
 def test_sharegpt_with_function_call_observation_and_tools_string():
     record = {
         "conversations": [
@@ -133,9 +151,15 @@ def test_text_spans_train_and_exclude():
         ("messages", {"messages": [{"role": "user"}]}, "messages[0].content", "is missing"),
         (
             "messages",
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
-            "messages[0].content",
-            "is a list; expected a string",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+            "is 'image_url'; only text parts can be rendered",
+        ),
+        (
+            "messages",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[0].content[0].text",
+            "is an int; expected a string",
         ),
         (
             "messages",

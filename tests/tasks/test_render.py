@@ -126,7 +126,7 @@ EXPECTED_ERRORS = [
     (2, "line", "line is not valid JSON"),
     (3, "messages[1].role", "messages[1].role is 'assitant'; expected one of system/user/assistant/tool"),
     (4, "messages[0].content", "messages[0].content is missing"),
-    (5, "messages[0].content", "messages[0].content is a list; expected a string"),
+    (5, "messages[0].content[0]", "messages[0].content[0] is a str; expected a content part"),
     (6, "messages[1].content", "messages[1].content is empty"),
 ]
 
