@@ -1,14 +1,16 @@
 """Launching training: write `run.json`, run `torchrun -m sftflow.tasks.train.worker RUN_DIR`, stream its output.
 
-`train(config)` is the plain function (the CLI calls it); `train_task` is the Prefect task around it. Call the task
-directly inside a flow, not with `.submit()`: the subprocess is supervised from the calling thread, which a thread-pool
-timeout could not interrupt.
+`train(config)` is the plain function (the CLI calls it); `sftflow.tasks.train.stage` holds the Prefect tasks around
+it (`train_stage_task`, cached, for the pipeline; `train_task`, plain). Call a task directly inside a flow, not with
+`.submit()`: the subprocess is supervised from the calling thread, which a thread-pool timeout could not interrupt.
+Prefect is imported only where a run needs it, so this module (and `torchrun_command`) also works on a machine
+without prefect, such as a bare GPU image.
 
 - Every output line of every worker goes to the Prefect run logger (or the `sftflow.train` logger outside a run).
 - The torchrun process tree runs in its own process group (session). On timeout, cancellation (SIGTERM/SIGINT to
   this process) or any error, the whole group is killed: no orphan workers keep GPUs busy.
 - A non-zero exit raises `TrainingFailed`, so Prefect retries fire; a retry resumes from the run's `latest`
-  checkpoint (`task_run.run_count > 1` turns on `resume`).
+  checkpoint (the stage task resumes whenever the run folder holds one).
 - During training a Prefect progress artifact follows `metrics.jsonl`; at the end a table artifact holds the metrics.
 
 Multi-node: run this same task on every node with the same config (a shared `out` folder on a shared filesystem,
@@ -27,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-from prefect import task
 from pydantic import BaseModel
 
 from sftflow.tasks.fingerprint import sha256_file
@@ -262,11 +263,3 @@ def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
         checkpoint=str(latest) if latest else None,
         hf_dir=str(hf) if (hf / "config.json").is_file() else None,
     )
-
-
-@task(name="train", retries=2, retry_delay_seconds=10)
-def train_task(config: TrainConfig) -> TrainResult:
-    """`train` as a Prefect task. A retry of this task run continues the run its failed attempt started."""
-    from prefect.runtime import task_run
-
-    return train(config, resume=config.resume or task_run.run_count > 1)

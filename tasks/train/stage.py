@@ -32,8 +32,10 @@ TRAIN_CACHE = StageCache(
         "sftflow.tasks.train.checkpoint",
         "sftflow.tasks.train.collate",
         "sftflow.tasks.train.data",
+        "sftflow.tasks.train.compile",
         "sftflow.kernels.attention",
         "sftflow.kernels.cross_entropy",
+        "sftflow.kernels.rope",
     ),
 )
 
@@ -94,3 +96,12 @@ def train_stage_task(
                 os.environ["SFTFLOW_FAULT"] = previous
     write_checksums(run_dir, include=_CHECKED)
     return result
+
+
+@task(name="train", retries=2, retry_delay_seconds=10)
+def train_task(config: TrainConfig) -> TrainResult:
+    """`train` as a plain (uncached) Prefect task, for flows of your own: a retry of this task run continues the run
+    its failed attempt started."""
+    from prefect.runtime import task_run
+
+    return train(config, resume=config.resume or task_run.run_count > 1)

@@ -15,8 +15,9 @@ from train_helpers import losses, metrics, mock_config, read_safetensors  # noqa
 
 from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.launch import TrainResult, train, train_task  # noqa: E402
+from sftflow.tasks.train.launch import TrainResult, train  # noqa: E402
 from sftflow.tasks.train.mock import MockDataset  # noqa: E402
+from sftflow.tasks.train.stage import train_task  # noqa: E402
 from tests.flows.conftest import run_counts  # noqa: E402
 
 pytestmark = pytest.mark.slow

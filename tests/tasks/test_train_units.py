@@ -110,6 +110,26 @@ def test_config_validation_names_the_field():
         _config(nnodes=2, node_rank=2, rdzv_endpoint="h:1", rdzv_id="r")
 
 
+def test_launcher_imports_without_prefect():
+    """GPU images may lack prefect: the launcher (torchrun command, streaming, run.json) must not need it to import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'prefect' or name.startswith('prefect.'):\n"
+        "            raise ImportError('prefect blocked by the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import sftflow.tasks.train.launch as launch\n"
+        "print(launch.torchrun_command.__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "torchrun_command"
+
+
 def test_torchrun_command_single_and_multi_node():
     from sftflow.tasks.train.launch import torchrun_command
 
