@@ -11,12 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tasks"))
 
-from train_helpers import losses, metrics, mock_config, read_safetensors  # noqa: E402
+from train_helpers import losses, metrics, planned_mock, read_safetensors  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
+from sftflow.tasks.plan import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import TrainResult, train  # noqa: E402
-from sftflow.tasks.train.mock import MockDataset  # noqa: E402
 from sftflow.tasks.train.stage import train_task  # noqa: E402
 from tests.flows.conftest import run_counts  # noqa: E402
 
@@ -36,25 +35,15 @@ def _train_flow():
 def test_killed_worker_is_retried_and_resumes_bit_identically(
     tmp_path, tiny_tokenizer, tiny_tokenizer_dir, monkeypatch
 ):
-    mock = mock_config(len(tiny_tokenizer))
-    dataset = MockDataset(mock)
-    arrays, _ = plan(
-        dataset.lengths,
-        dataset.loss_token_counts,
+    config, _, arrays = planned_mock(
+        tmp_path,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
         PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=2),
-    )
-    (tmp_path / "plan").mkdir()
-    save_plan(arrays, tmp_path / "plan" / "plan.npz")
-    config = TrainConfig(
-        mock=mock,
-        plan=str(tmp_path / "plan"),
-        model="tiny-llama",
-        tokenizer=str(tiny_tokenizer_dir),
         out=str(tmp_path / "reference"),
         nproc=2,
-        num_threads=1,
-        lr=1e-2,
         checkpoint_every=4,
+        export=True,
     )
     train(config)
 

@@ -11,11 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_helpers import losses, metrics, mock_config, run  # noqa: E402
+from train_helpers import losses, metrics, planned_mock, run  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
-from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.mock import MockDataset  # noqa: E402
+from sftflow.tasks.plan import PlanConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,27 +25,14 @@ def _rel(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
     root = tmp_path_factory.mktemp("train4")
-    mock = mock_config(len(tiny_tokenizer), num_docs=64)
-    dataset = MockDataset(mock)
-    arrays, _ = plan(
-        dataset.lengths,
-        dataset.loss_token_counts,
+    base, _, arrays = planned_mock(
+        root,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
         PlanConfig(num_ranks=4, tokens_per_rank=64, micro_batches_per_step=1, epochs=1, seed=0),
-    )
-    (root / "plan").mkdir()
-    save_plan(arrays, root / "plan" / "plan.npz")
-    base = TrainConfig(
-        mock=mock,
-        plan=str(root / "plan"),
-        model="tiny-llama",
-        tokenizer=str(tiny_tokenizer_dir),
-        out=str(root / "unused"),
-        lr=1e-2,
+        mock=dict(num_docs=64),
         checkpoint_every=3,
         keep_last=10,
-        seed=0,
-        num_threads=1,
-        export=False,
     )
     run(base, root / "run4", nproc=4)
     return root, base, arrays.num_steps

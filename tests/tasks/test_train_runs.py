@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_helpers import losses, metrics, mock_config, read_dcp, read_safetensors, run, write_plan  # noqa: E402
+from train_helpers import losses, metrics, mock_config, planned_mock, read_dcp, read_safetensors, run, write_plan  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
+from sftflow.tasks.plan import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import train  # noqa: E402
 from sftflow.tasks.train.mock import MockDataset  # noqa: E402
@@ -45,28 +45,14 @@ def _assert_grads_close(got: dict, want: dict, rtol: float) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
     root = tmp_path_factory.mktemp("train")
-    mock = mock_config(len(tiny_tokenizer))
-    dataset = MockDataset(mock)
-    arrays, _ = plan(
-        dataset.lengths,
-        dataset.loss_token_counts,
+    base, dataset, arrays = planned_mock(
+        root,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
         PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=2, epochs=2, seed=0),
-    )
-    (root / "plan").mkdir()
-    save_plan(arrays, root / "plan" / "plan.npz")
-    base = TrainConfig(
-        mock=mock,
-        plan=str(root / "plan"),
-        model="tiny-llama",
-        tokenizer=str(tiny_tokenizer_dir),
-        out=str(root / "unused"),
-        lr=1e-2,
         warmup_steps=2,
         checkpoint_every=4,
         keep_last=10,
-        seed=0,
-        num_threads=1,  # the same float summation order in every launch shape (1 or 2 procs, 1 or 2 nodes)
-        export=False,
         save_grads_at_steps=(1,),
     )
     return root, base, dataset, arrays.num_steps

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sftflow.tasks.plan import PlanArrays, save_plan
+from sftflow.tasks.plan import PlanArrays, PlanConfig, plan, save_plan
 from sftflow.tasks.train.config import TrainConfig
 from sftflow.tasks.train.launch import TrainResult, train
 from sftflow.tasks.train.mock import MockConfig, MockDataset
@@ -61,6 +61,34 @@ def write_plan(path: Path, dataset: MockDataset, steps: list[list[list[int]]], n
     path.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, path / "plan.npz")
     return path
+
+
+def planned_mock(
+    root: Path, vocab_size: int, tokenizer_dir: Path, plan_config: PlanConfig, mock: dict | None = None, **train_fields
+) -> tuple[TrainConfig, MockDataset, PlanArrays]:
+    """Mock documents, the real planner's plan of them in `root/plan`, and a tiny-Llama `TrainConfig` on both.
+
+    Defaults shared by the training tests: lr 1e-2 (a tiny model visibly learns in a few steps), seed 0, one CPU
+    thread per process (the same float summation order whatever the launch shape), no export; `train_fields`
+    override them.
+    """
+    config = mock_config(vocab_size, **(mock or {}))
+    dataset = MockDataset(config)
+    arrays, _ = plan(dataset.lengths, dataset.loss_token_counts, plan_config)
+    (root / "plan").mkdir(parents=True, exist_ok=True)
+    save_plan(arrays, root / "plan" / "plan.npz")
+    fields = dict(
+        mock=config,
+        plan=str(root / "plan"),
+        model="tiny-llama",
+        tokenizer=str(tokenizer_dir),
+        out=str(root / "unused"),
+        lr=1e-2,
+        seed=0,
+        num_threads=1,
+        export=False,
+    )
+    return TrainConfig(**{**fields, **train_fields}), dataset, arrays
 
 
 def run(base: TrainConfig, out: Path, **updates) -> TrainResult:
