@@ -78,8 +78,14 @@ def patch_rope_layout(layer: nn.Module) -> bool:
     return True
 
 
-def compile_layers(layers: list[nn.Module]) -> None:
-    """Compile each decoder layer's forward (call before `fully_shard`, after the attention is registered)."""
+def compile_layers(layers: list[nn.Module], strict: bool = True) -> None:
+    """Compile each decoder layer's forward (call before `fully_shard`, after the attention is registered).
+
+    `strict=False` (the worker's `compile="auto"`): a layer dynamo or inductor cannot compile runs eagerly, with
+    torch's warning, instead of failing the run; `compile="layers"` asked for compilation, so there errors surface.
+    """
+    if not strict:
+        torch._dynamo.config.suppress_errors = True
     from transformers import AttentionInterface
 
     from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention

@@ -199,7 +199,7 @@ def train(run_dir: Path) -> None:
     lm = build_model(config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides)
     compiled = resolve_compile(config.compile, env.device)
     if compiled:
-        compile_layers(decoder_layers(lm))
+        compile_layers(decoder_layers(lm), strict=config.compile == "layers")
     model = shard_model(lm, env, compute_dtype(env, config.dtype))
     optim_c = cfg.optim_config(config)
     optimizer = build_optimizer(model, optim_c)

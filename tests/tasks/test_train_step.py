@@ -159,3 +159,35 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(monkeypatch):
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
         for name, grad in grads_e.items():
             torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@torch.library.custom_op("sftflow_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2  # no register_fake: dynamo cannot trace a call of it
+
+
+class _Uncompilable(nn.Module):
+    def forward(self, x):
+        return _no_fake(x) + 1
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_compile_auto_falls_back_to_eager_where_compile_fails(strict, monkeypatch):
+    import torch._dynamo.config as dynamo_config
+    from transformers import AttentionInterface
+
+    from sftflow.tasks.train.model import ATTENTION_NAME, register_attention
+
+    register_attention()
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION_NAME, AttentionInterface[ATTENTION_NAME])
+    torch._dynamo.reset()
+    layer = _Uncompilable()
+    x = torch.arange(3.0)
+    with dynamo_config.patch(suppress_errors=False):  # restores the global setting compile_layers changes
+        compile_layers([layer], strict=strict)
+        if strict:
+            with pytest.raises(Exception, match="fake"):
+                layer(x)
+        else:
+            assert torch.equal(layer(x), x * 2 + 1)
+    torch._dynamo.reset()
