@@ -4,8 +4,8 @@ Each text is tokenized once with `add_special_tokens=False` and offsets: by tikt
 BPE that `sftflow.tasks.bpe_fast` reproduces exactly (its BPE is ~4x faster than HF's on one core), else in batches
 by the fast (Rust) tokenizer. `tokenizer_backend` picks: `auto` (tiktoken when supported), `hf`, or `tiktoken` (an
 error when unsupported). Under `auto` and `tiktoken` the first `VERIFY_DOCS` texts of every call (one call per shard)
-are also tokenized by HF; on any difference in ids or offsets `auto` uses HF for the whole call and `tiktoken` raises,
-so the output does not depend on the backend.
+that tiktoken encodes are also tokenized by HF; on any difference in ids or offsets `auto` uses HF for the whole call
+and `tiktoken` raises, so the output does not depend on the backend.
 
 A token is trained when any of its characters lies in a trained span, which is the rule Hugging Face's
 `apply_chat_template(..., return_assistant_tokens_mask=True)` applies (token `[a, b)` overlaps a span `[s, e)` when
@@ -45,7 +45,7 @@ from sftflow.tasks.bpe_fast import FastBPE, why_unsupported
 from sftflow.tasks.records import RenderedDoc, TokenizedDoc
 
 SHARD_FORMAT_VERSION = 1
-VERIFY_DOCS = 16  # texts per call checked against HF before tiktoken is trusted with the rest
+VERIFY_DOCS = 16  # texts per call (that tiktoken encodes) checked against HF before it is trusted with the rest
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _hf_arrays(encoding) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fast_encoder(docs: list[RenderedDoc], tokenizer, backend, mode: str) -> FastBPE | None:
-    """tiktoken for this call when `mode` allows it and it matches HF on the first `VERIFY_DOCS` texts."""
+    """tiktoken for this call when `mode` allows it and it matches HF on the first `VERIFY_DOCS` texts it encodes."""
     if mode == "hf":
         return None
     fast = FastBPE.from_tokenizer(tokenizer)
@@ -150,19 +150,26 @@ def _fast_encoder(docs: list[RenderedDoc], tokenizer, backend, mode: str) -> Fas
             )
         _log_once(f"spans: tokenizing with Hugging Face tokenizers; tiktoken cannot reproduce it: {reason}")
         return None
-    sample = docs[:VERIFY_DOCS]
-    texts = [doc.text for doc in sample]
-    reference = backend.encode_batch(texts, add_special_tokens=False)
-    for doc, encoding, ours in zip(sample, reference, fast.encode_batch(texts), strict=True):
-        if ours is None:  # tokenized by HF anyway
-            continue
-        ids, offsets = _hf_arrays(encoding)
-        if not (np.array_equal(ours[0], ids) and np.array_equal(ours[1], offsets)):
-            message = f"{doc.source}: tiktoken and Hugging Face tokenize this text differently"
-            if mode == "tiktoken":
-                raise ValueError(f"{message}; use tokenizer_backend 'auto' or 'hf'")
-            logger.warning(f"{message}; using Hugging Face for the {len(docs)} texts of this shard")
-            return None
+    # Compare VERIFY_DOCS texts that tiktoken does encode: texts it hands to HF (`None`) check nothing, so look further
+    # into the shard for them (at most 4 x VERIFY_DOCS texts are encoded twice).
+    checked = 0
+    for first in range(0, min(len(docs), 4 * VERIFY_DOCS), VERIFY_DOCS):
+        sample = docs[first : first + VERIFY_DOCS]
+        texts = [doc.text for doc in sample]
+        reference = backend.encode_batch(texts, add_special_tokens=False)
+        for doc, encoding, ours in zip(sample, reference, fast.encode_batch(texts), strict=True):
+            if ours is None:  # tokenized by HF anyway
+                continue
+            ids, offsets = _hf_arrays(encoding)
+            if not (np.array_equal(ours[0], ids) and np.array_equal(ours[1], offsets)):
+                message = f"{doc.source}: tiktoken and Hugging Face tokenize this text differently"
+                if mode == "tiktoken":
+                    raise ValueError(f"{message}; use tokenizer_backend 'auto' or 'hf'")
+                logger.warning(f"{message}; using Hugging Face for the {len(docs)} texts of this shard")
+                return None
+            checked += 1
+        if checked >= VERIFY_DOCS:
+            break
     _log_once(f"spans: tokenizing with {fast.description}, checked against Hugging Face per shard")
     return fast
 

@@ -106,3 +106,28 @@ def test_shard_is_identical_on_shared_tokenizers_and_sharegpt(shared_data, tmp_p
         assert stats["auto"].tokens == stats["hf"].tokens > 0
         expected_backend = "hf" if "tinyllama" in tokenizer_dir.name else "tiktoken"
         assert stats["auto"].tokenizer_backend == expected_backend, tokenizer_dir.name
+
+
+def test_the_check_looks_past_texts_that_tiktoken_hands_to_hf(tiny_tokenizer, monkeypatch, caplog):
+    """Texts tiktoken gives back to HF (`None`) verify nothing: the check goes on to later texts of the shard."""
+    many = [
+        RenderedDoc(text=f"{CHAT} #{i}", train_char_spans=((CHAT.index("  The"), len(CHAT)),), source=f"many:{i}")
+        for i in range(40)
+    ]
+    expected, _ = tokenize_docs(many, tiny_tokenizer, SpansConfig(tokenizer_backend="hf"))
+    encode_batch = FastBPE.encode_batch
+    handed_back = {doc.text for doc in many[:20]}
+    wrong = many[25].text
+
+    def first_twenty_to_hf_and_one_wrong(self, texts):
+        out = encode_batch(self, texts)
+        return [
+            None if text in handed_back else (ours[0] + (text == wrong), ours[1])
+            for text, ours in zip(texts, out, strict=True)
+        ]
+
+    monkeypatch.setattr(FastBPE, "encode_batch", first_twenty_to_hf_and_one_wrong)
+    with caplog.at_level(logging.WARNING, logger="sftflow.tasks.spans"):
+        docs, _ = tokenize_docs(many, tiny_tokenizer, SpansConfig())
+    assert "many:25: tiktoken and Hugging Face tokenize this text differently" in caplog.text
+    assert _arrays(docs) == _arrays(expected)
