@@ -6,7 +6,7 @@ tokens (labels != ignore_index); the caller divides by the global trained-token 
     rows   = nonzero(labels != -100)                 compact: masked tokens cost no matmul
     for each chunk of C trained rows:                peak extra memory ~ C x V logits (+ the two gradients)
         logits_CV  = hidden[rows_C] @ weight^T       cuBLAS, fp32 accumulation, stored in the input dtype
-        loss      += lse(logits) - logits[target]    one kernel reads the logits and overwrites them, in place,
+        loss_C     = lse(logits) - logits[target]    one kernel reads the logits and overwrites them, in place,
         logits_CV <- softmax(logits) - onehot        with d loss / d logits (fp32 math)
         grad_hidden[rows_C]  = logits_CV @ weight
         grad_weight         += logits_CV^T @ hidden[rows_C]
@@ -57,22 +57,21 @@ def last_backend() -> dispatch.BackendChoice | None:
     return dispatch.last_choice(KERNEL)
 
 
-def _ce_step_reference(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
-    """Sum of CE over the chunk's rows (fp32); overwrites `logits_CV` with softmax - onehot."""
+def _ce_step_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor) -> None:
+    """Writes each row's CE into `loss_C` (fp32 math); overwrites `logits_CV` with softmax - onehot."""
     # fp32 math (fp64 for fp64 inputs); the same tensor when no cast is needed: fine, it is overwritten anyway
     x = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
     lse = torch.logsumexp(x, dim=1)
-    loss = (lse - x.gather(1, target_C[:, None]).squeeze(1)).sum()
+    torch.sub(lse, x.gather(1, target_C[:, None]).squeeze(1), out=loss_C)
     x = torch.exp(x - lse[:, None])
     x[torch.arange(x.shape[0], device=x.device), target_C] -= 1.0
     logits_CV.copy_(x)
-    return loss
 
 
-def _ce_step_triton(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
+def _ce_step_triton(logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor) -> None:
     from sftflow.kernels.cross_entropy_triton import ce_loss_and_grad_
 
-    return ce_loss_and_grad_(logits_CV, target_C).sum()
+    ce_loss_and_grad_(logits_CV, target_C, loss_C)
 
 
 CE_STEPS = {"reference": _ce_step_reference, "triton": _ce_step_triton}
@@ -101,17 +100,23 @@ def _loss_and_grads(
     need_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     V = weight_VD.shape[0]
-    loss = torch.zeros((), dtype=torch.promote_types(hidden_TD.dtype, torch.float32), device=hidden_TD.device)
+    loss_dtype = torch.promote_types(hidden_TD.dtype, torch.float32)
     grad_hidden = torch.zeros_like(hidden_TD, memory_format=torch.contiguous_format) if need_grad_hidden else None
     rows = (labels_T != ignore_index).nonzero().squeeze(1)
     if rows.numel() == 0:
-        return loss, grad_hidden, torch.zeros_like(weight_VD) if need_grad_weight else None
+        return (
+            torch.zeros((), dtype=loss_dtype, device=hidden_TD.device),
+            grad_hidden,
+            torch.zeros_like(weight_VD) if need_grad_weight else None,
+        )
     # The first chunk's matmul writes grad_weight (no zero fill, no read of zeros): 1 GB less traffic at V=128k.
     grad_weight = torch.empty_like(weight_VD) if need_grad_weight else None
     targets = labels_T.index_select(0, rows)
     if bool(((targets < 0) | (targets >= V)).any()):
         bad = targets[(targets < 0) | (targets >= V)][0].item()
         raise ValueError(f"labels: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
+    # Each chunk writes its rows' losses here, summed once at the end: no per-chunk reduction kernels.
+    loss_rows = torch.empty(rows.numel(), dtype=loss_dtype, device=hidden_TD.device)
     all_trained = rows.numel() == hidden_TD.shape[0]  # then chunks are plain slices: no gather, no scatter
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(V, hidden_TD.dtype, hidden_TD.shape[1], gathered=not all_trained)
@@ -119,7 +124,7 @@ def _loss_and_grads(
         rows_C = rows[start : start + chunk_rows]
         h_CD = hidden_TD[start : start + chunk_rows] if all_trained else hidden_TD.index_select(0, rows_C)
         logits_CV = h_CD @ weight_VD.T
-        loss += ce_step(logits_CV, targets[start : start + chunk_rows])
+        ce_step(logits_CV, targets[start : start + chunk_rows], loss_rows[start : start + chunk_rows])
         if grad_hidden is not None:
             if all_trained:
                 torch.mm(logits_CV, weight_VD, out=grad_hidden[start : start + chunk_rows])
@@ -131,7 +136,7 @@ def _loss_and_grads(
             else:
                 grad_weight.addmm_(logits_CV.T, h_CD)
         del logits_CV, h_CD  # free this chunk's logits before the next chunk's matmul allocates its own
-    return loss, grad_hidden, grad_weight
+    return loss_rows.sum(), grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

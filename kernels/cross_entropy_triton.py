@@ -34,7 +34,7 @@ def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BL
         m = m_new
     lse = m + tl.log(s)
     x_target = tl.load(base + target).to(tl.float32)
-    tl.store(loss_ptr + row, lse - x_target)
+    tl.store(loss_ptr + row, (lse - x_target).to(loss_ptr.dtype.element_ty))
 
     # Pass 2: overwrite the logits with softmax - onehot(target).
     for v0 in range(0, V, BLOCK_V):
@@ -45,11 +45,16 @@ def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BL
         tl.store(base + cols, p.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
-def ce_loss_and_grad_(logits_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
-    """Per-row CE loss (fp32, shape (C,)); `logits_CV` is overwritten with softmax - onehot(target)."""
+def ce_loss_and_grad_(
+    logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row CE loss (fp32, shape (C,), written into `loss_C` when given); `logits_CV` is overwritten with
+    softmax - onehot(target)."""
     C, V = logits_CV.shape
     assert logits_CV.stride(1) == 1, "logits rows must be contiguous"
-    loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
+    if loss_C is None:
+        loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
+    assert loss_C.shape == (C,) and loss_C.is_contiguous(), "loss_C must be a contiguous (C,) tensor"
     if C == 0:
         return loss_C
     block_v = min(triton.next_power_of_2(V), BLOCK_V_MAX)
