@@ -141,56 +141,39 @@ def main() -> None:
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
+    """Coordinate descent over each kernel's block shape, then each kernel's program order, timing fwd+bwd."""
+    from sftflow.kernels.attention_triton import resolve_config
+
     scale = D**-0.5
-    fwd_grid = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 3), (64, 64, 8, 3)]
-    best_fwd = None
-    for bm, bn, w, s in fwd_grid:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-        try:
-            ms = do_bench(
-                lambda cfg=cfg: triton_varlen_attention(q, k, v, cu, max_len, scale, fwd_config=cfg),
-                warmup=50,
-                rep=200,
-                return_mode="median",
-            )
-        except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-            print(f"sweep D={D} fwd {cfg}: failed {type(err).__name__}")
-            continue
-        print(f"sweep D={D} fwd {cfg}: {ms:.3f} ms {fwd_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        best_fwd = min(best_fwd or (ms, cfg), (ms, cfg), key=lambda x: x[0])
     H, K = q.shape[1], k.shape[1]
-    # Backward: coordinate descent, dK/dV block shapes with today's dQ config, then dQ with the best dK/dV one.
-    from sftflow.kernels.attention_triton import BWD_CONFIGS
+    current = resolve_config(D, H != K, q.device)
+    grids = {
+        "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (32, 64, 4, 3)],
+        "dkdv": [(32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3)],
+        "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)],
+    }
 
-    current = {part: dict(cfg) for part, cfg in BWD_CONFIGS[D].items()}
-    dkdv_grid = [
-        (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3),
-        (64, 64, 8, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
-    ]  # fmt: skip
-    dq_grid = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)]
-
-    def time_bwd(bwd):
+    def time_config(config):
         def fb():
-            o = triton_varlen_attention(q, k, v, cu, max_len, scale, fwd_config=fwd_cfg, bwd_config=bwd)
+            o = triton_varlen_attention(q, k, v, cu, max_len, scale, config=config)
             return torch.autograd.grad(o, (q, k, v), do)
 
         try:
-            ms = do_bench(fb, warmup=50, rep=200, return_mode="median")
+            ms = do_bench(fb, warmup=50, rep=300, return_mode="median")
         except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-            print(f"sweep H={H} K={K} D={D} bwd {bwd}: failed {type(err).__name__}", flush=True)
+            print(f"sweep H={H} K={K} D={D} {config}: failed {type(err).__name__}", flush=True)
             return float("inf")
-        rate = 3.5 * fwd_flops / ms / 1e9
-        print(f"sweep H={H} K={K} D={D} fwd+bwd {bwd}: {ms:.3f} ms {rate:.0f} TFLOP/s", flush=True)
+        print(f"sweep H={H} K={K} D={D} fwd+bwd {config}: {ms:.3f} ms {3.5 * fwd_flops / ms / 1e9:.0f} TFLOP/s")
         return ms
 
-    fwd_cfg = best_fwd[1]
-    for part, grid in (("dkdv", dkdv_grid), ("dq", dq_grid)):
-        timed = []
-        for bm, bn, w, st in grid:
-            trial = {**current, part: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)}
-            timed.append((time_bwd(trial), trial[part]))
-        current[part] = min(timed, key=lambda x: x[0])[1]
-    print(f"sweep best H={H} K={K} D={D}: fwd {fwd_cfg} bwd {current}", flush=True)
+    for part, grid in grids.items():
+        trials = [{**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                  for bm, bn, w, st in grid]  # fmt: skip
+        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+    for part in grids:
+        trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]
+        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+    print(f"sweep best H={H} K={K} D={D}: {current}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,16 @@ its last key's document::
     |  B  |         |\\
     v  C  |                   |\\
 
+Masks: of the blocks a program scans, only those on the diagonal or across a document boundary need the causal /
+document mask; each block is tested ([u_lo, u_hi) is the unmasked run) and the others are used unmasked.
+
+Program order: the grid is one-dimensional with heads fastest, so the programs of one block position run side by
+side (with GQA they read the same K/V tiles). A program's work grows with its block's distance from its document's
+start (queries) or end (keys); in row order the long programs of late blocks start last and the GPU idles on the
+tail. ``ORDER="lpt"`` has each program read its block from a work-sorted order (``RowLayout``, longest first:
+longest-processing-time scheduling); ``ORDER="row"`` keeps row order, which keeps neighbouring blocks of a document
+(and their K/V tiles in L2) together. Which wins depends on the shape (benchmarks/RESULTS.md).
+
 GQA: query head h reads kv head h // (H / K) through strides, nothing is expanded; the dK/dV program of a kv head
 loops over its query heads. Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row
 log-sum-exp for the backward. Imported lazily by ``attention`` so TRITON_INTERPRET can be set first.
@@ -18,32 +28,71 @@ log-sum-exp for the backward. Imported lazily by ``attention`` so TRITON_INTERPR
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# Block shapes per head dim, from the H200 sweep in benchmarks/attention.py (see benchmarks/RESULTS.md). The backward
-# runs two kernels: dK/dV (a program per key block) and dQ (a program per query block), each with its own shape.
-FWD_CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4),
+
+# Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
+# benchmarks/RESULTS.md). The backward runs two kernels: dK/dV (a program per key block, looping over its group's
+# query heads) and dQ (a program per query block), each with its own shape.
+def _cfg(block_m: int, block_n: int, stages: int, order: str) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages, ORDER=order)
+
+
+CONFIGS = {
+    (64, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
+    (64, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
+    (128, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
+    (128, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
 }
-BWD_CONFIGS = {
-    64: {
-        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-    },
-    128: {
-        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-    },
-}
-# With GQA each dK/dV program loops over its group's query heads: at D=64 taller query tiles win (2026-11-30 sweep,
-# H=32 K=8: 1.47 ms fwd+bwd against 1.53 ms with the K=H shape).
-BWD_CONFIGS_GQA = {64: {**BWD_CONFIGS[64], "dkdv": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)}}
-SMALL_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)  # the CPU interpreter and odd head dims
+SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
+
+
+@triton.jit
+def _tile(ptr, rows, stride_row, col_off, offs_d, d_ok, T, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zeros past row T (and past D when BLOCK_D > D)."""
+    ptrs = ptr + rows[:, None] * stride_row + col_off + offs_d[None, :]
+    if EVEN_D:
+        x = tl.load(ptrs, mask=(rows < T)[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=(rows < T)[:, None] & d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _key_ranges(m0, seq_start_ptr, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks a query block [m0, m0 + BLOCK_M) meets, [lo, end), and among them the unmasked run [u_lo, u_hi).
+    A key block needs no mask when every row sees every key: its keys are at or below the block's first row, and at
+    or after the largest document start among the rows (that of the last valid row)."""
+    hi = tl.minimum(m0 + BLOCK_M, T)
+    lo = tl.load(seq_start_ptr + m0) // BLOCK_N * BLOCK_N
+    start_last = tl.load(seq_start_ptr + hi - 1)
+    end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    u_lo = tl.minimum(tl.cdiv(start_last, BLOCK_N) * BLOCK_N, end)
+    u_hi = tl.maximum(u_lo, (m0 + 1) // BLOCK_N * BLOCK_N)
+    return lo, u_lo, u_hi, end
+
+
+@triton.jit
+def _kv_scores(
+    q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale, u_lo, u_hi,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The key block at n0: its K and V tiles and the scaled scores q k^T (base 2), -inf where not visible."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = _tile(k_ptr, offs_n, stride_kt, k_off, offs_d, d_ok, T, EVEN_D)
+    v = _tile(v_ptr, offs_n, stride_vt, v_off, offs_d, d_ok, T, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if (n0 < u_lo) | (n0 >= u_hi):  # on the diagonal or across a document boundary
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return k, v, s
 
 
 @triton.jit
@@ -54,6 +103,7 @@ def _fwd_kernel(
     o_ptr,
     lse_ptr,
     seq_start_ptr,
+    order_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -64,50 +114,35 @@ def _fwd_kernel(
     stride_oh,
     T,
     D,
+    H,
     qk_scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    m0 = tl.program_id(0) * BLOCK_M
-    h = tl.program_id(1)
+    pid = tl.program_id(0)
+    h = pid % H
+    m0 = tl.load(order_ptr + pid // H) * BLOCK_M
     kh = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
-    lo = tl.load(seq_start_ptr + m0)
-    hi = tl.minimum(m0 + BLOCK_M, T)
-    start_last = tl.load(seq_start_ptr + hi - 1)  # the largest start among the block's rows
-
-    q = tl.load(
-        q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(
-            k_ptr + offs_n[:, None] * stride_kt + kh * stride_kh + offs_d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + offs_n[:, None] * stride_vt + kh * stride_vh + offs_d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):  # not a block fully inside one doc
-            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
-            s = tl.where(visible, s, float("-inf"))
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, BLOCK_M, BLOCK_N)
+    k_off, v_off = kh * stride_kh, kh * stride_vh
+    for n0 in range(lo, end, BLOCK_N):
+        k, v, s = _kv_scores(
+            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale,
+            u_lo, u_hi, BLOCK_N, EVEN_D, PRECISION,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -134,6 +169,7 @@ def _bwd_dq_kernel(
     lse_ptr,
     delta_ptr,
     seq_start_ptr,
+    order_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -146,56 +182,45 @@ def _bwd_dq_kernel(
     stride_dqh,
     T,
     D,
+    H,
     qk_scale,
     scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    m0 = tl.program_id(0) * BLOCK_M
-    h = tl.program_id(1)
+    pid = tl.program_id(0)
+    h = pid % H
+    m0 = tl.load(order_ptr + pid // H) * BLOCK_M
     kh = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
-    lo = tl.load(seq_start_ptr + m0)
-    hi = tl.minimum(m0 + BLOCK_M, T)
-    start_last = tl.load(seq_start_ptr + hi - 1)  # the largest start among the block's rows
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(do_ptr + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
+    q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
+    do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
     lse = tl.load(lse_ptr + h * T + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + h * T + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(
-            k_ptr + offs_n[:, None] * stride_kt + kh * stride_kh + offs_d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + offs_n[:, None] * stride_vt + kh * stride_vh + offs_d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, BLOCK_M, BLOCK_N)
+    k_off, v_off = kh * stride_kh, kh * stride_vh
+    for n0 in range(lo, end, BLOCK_N):
+        k, v, s = _kv_scores(
+            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale,
+            u_lo, u_hi, BLOCK_N, EVEN_D, PRECISION,
+        )  # fmt: skip
         p = tl.exp2(s - lse[:, None])
-        if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):
-            visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
-            p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(
         dq_ptr + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
         (dq * scale).to(dq_ptr.dtype.element_ty),
-        mask=qd_mask,
+        mask=row_ok[:, None] & d_ok[None, :],
     )
 
 
@@ -211,6 +236,7 @@ def _bwd_dkdv_kernel(
     delta_ptr,
     seq_start_ptr,
     seq_end_ptr,
+    order_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -225,51 +251,51 @@ def _bwd_dkdv_kernel(
     stride_dvh,
     T,
     D,
+    K,
     qk_scale,
     scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    n0 = tl.program_id(0) * BLOCK_N
-    kh = tl.program_id(1)
+    pid = tl.program_id(0)
+    kh = pid % K
+    n0 = tl.load(order_ptr + pid // K) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    col_ok = offs_n < T
     d_ok = offs_d < D
-    kd_mask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + offs_n[:, None] * stride_kt + kh * stride_kh + offs_d[None, :], mask=kd_mask, other=0.0)
-    v = tl.load(v_ptr + offs_n[:, None] * stride_vt + kh * stride_vh + offs_d[None, :], mask=kd_mask, other=0.0)
-    # Queries that can see a key of this block: from the block itself to the end of its last key's document.
-    q_hi = tl.load(seq_end_ptr + tl.minimum(n0 + BLOCK_N, T) - 1)
+    k = _tile(k_ptr, offs_n, stride_kt, kh * stride_kh, offs_d, d_ok, T, EVEN_D)
+    v = _tile(v_ptr, offs_n, stride_vt, kh * stride_vh, offs_d, d_ok, T, EVEN_D)
+    # Query blocks that can see a key of this block: from the block itself to the end of its last key's document.
+    # Unmasked among them, [u_lo, u_hi): rows at or after the block's last key, inside its first key's document.
+    q_end = tl.cdiv(tl.load(seq_end_ptr + tl.minimum(n0 + BLOCK_N, T) - 1), BLOCK_M) * BLOCK_M
     q_lo = n0 // BLOCK_M * BLOCK_M
+    u_lo = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_end)
+    u_hi = tl.maximum(u_lo, tl.load(seq_end_ptr + n0) // BLOCK_M * BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):
         h = kh * GROUP + g
-        for m0 in range(q_lo, q_hi, BLOCK_M):
+        for m0 in range(q_lo, q_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < T
-            qd_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
-            do = tl.load(
-                do_ptr + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0
-            )
-            start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
-            lse = tl.load(lse_ptr + h * T + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + h * T + offs_m, mask=row_ok, other=0.0)
+            q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
+            do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
+            lse = tl.load(lse_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
+            delta = tl.load(delta_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
             p_t = tl.exp2(s_t - lse[None, :])
-            start_last = tl.load(seq_start_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)
-            if (n0 + BLOCK_N > m0 + 1) | (start_last > n0) | (m0 + BLOCK_M > T):
+            if (m0 < u_lo) | (m0 >= u_hi):  # on the diagonal or across a document boundary
+                start_m = tl.load(seq_start_ptr + offs_m, mask=offs_m < T, other=T)
                 visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
                 p_t = tl.where(visible, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
     tl.store(
         dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
         (dk * scale).to(dk_ptr.dtype.element_ty),
@@ -306,13 +332,23 @@ def _bwd_delta_kernel(
     tl.store(delta_ptr + h * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < T)
 
 
-def _config(table: dict, D: int, device: torch.device, override: dict | None, part: str | None = None) -> dict:
-    if override is not None:
-        return dict(override[part] if part else override)
+def _configs(D: int, gqa: bool, device: torch.device) -> dict:
     if device.type != "cuda":
-        return dict(SMALL_CONFIG)
-    entry = table.get(D) or table[64 if D < 64 else 128]
-    return dict(entry[part] if part else entry)
+        return {part: SMALL_CONFIG for part in ("fwd", "dkdv", "dq")}
+    return CONFIGS.get((D, gqa)) or CONFIGS[(64 if D < 64 else 128, gqa)]
+
+
+def _launch(cfg: dict) -> tuple[str, dict]:
+    """A config's program order ("lpt" or "row") and its kernel keywords."""
+    cfg = dict(cfg)
+    order = cfg.pop("ORDER", "lpt")
+    if order not in ("lpt", "row"):
+        raise ValueError(f"ORDER={order!r}: expected 'lpt' or 'row'")
+    return order, cfg
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -328,22 +364,78 @@ def document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor,
     return seq_start, seq_end
 
 
+@dataclass
+class RowLayout:
+    """Per packed row: document bounds per token and block orders per block size (int32, on the device, computed
+    without a host sync). Every attention layer of a step sees the same row, so the last one is kept (`row_layout`)."""
+
+    seq_start: torch.Tensor
+    seq_end: torch.Tensor
+    orders: dict[tuple[str, int, str], torch.Tensor] = field(default_factory=dict)
+
+    def order(self, side: str, block: int, how: str = "lpt") -> torch.Tensor:
+        """Query ("q") or key ("k") blocks of `block` tokens in program order: most work first ("lpt"), or row order.
+
+        A query block's work is the keys it scans (from its first row's document start to its end); a key block's
+        the queries that can see it (from its start to the end of its last key's document)."""
+        key = (side, block, how)
+        if key not in self.orders:
+            T = self.seq_start.numel()
+            first = torch.arange(0, T, block, device=self.seq_start.device, dtype=torch.int32)
+            if how == "row":
+                self.orders[key] = torch.arange(first.numel(), device=first.device, dtype=torch.int32)
+                return self.orders[key]
+            last = torch.clamp(first + block, max=T) - 1
+            work = last + 1 - self.seq_start[first] if side == "q" else self.seq_end[last] - first
+            self.orders[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+        return self.orders[key]
+
+
+_LAST_LAYOUT: dict = {}
+
+
+def row_layout(cu_seqlens: torch.Tensor, total: int) -> RowLayout:
+    """The layout of a row, reused while the same `cu_seqlens` tensor (same object, unmodified) comes back."""
+    ref = _LAST_LAYOUT.get("cu")
+    if (
+        ref is not None
+        and ref() is cu_seqlens
+        and _LAST_LAYOUT["version"] == cu_seqlens._version
+        and _LAST_LAYOUT["layout"].seq_start.numel() == total
+    ):
+        return _LAST_LAYOUT["layout"]
+    layout = RowLayout(*document_bounds(cu_seqlens, total))
+    _LAST_LAYOUT.update(cu=weakref.ref(cu_seqlens), version=cu_seqlens._version, layout=layout)
+    return layout
+
+
+def resolve_config(D: int, gqa: bool, device: torch.device, override: dict | None = None) -> dict:
+    """The block shapes and program orders used for head dim D ({"fwd", "dkdv", "dq"} -> kernel config), with
+    `override`'s entries (per part, partial) on top."""
+    base = _configs(D, gqa, device)
+    override = override or {}
+    unknown = set(override) - set(base)
+    if unknown:
+        raise ValueError(f"config parts {sorted(unknown)} unknown; expected some of {sorted(base)}")
+    return {part: {**cfg, **override.get(part, {})} for part, cfg in base.items()}
+
+
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_start, seq_end, scale, fwd_config, bwd_config):
+    def forward(ctx, q, k, v, layout, scale, config):
         T, H, D = q.shape
         group = H // k.shape[1]
         o = torch.empty_like(q)
         lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-        cfg = _config(FWD_CONFIGS, D, q.device, fwd_config)
-        grid = (triton.cdiv(T, cfg["BLOCK_M"]), H)
-        _fwd_kernel[grid](
+        order, cfg = _launch(config["fwd"])
+        _fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]) * H,)](
             q,
             k,
             v,
             o,
             lse,
-            seq_start,
+            layout.seq_start,
+            layout.order("q", cfg["BLOCK_M"], order),
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -354,33 +446,35 @@ class _VarlenAttention(torch.autograd.Function):
             o.stride(1),
             T,
             D,
+            H,
             scale * LOG2E,
             GROUP=group,
-            BLOCK_D=max(16, triton.next_power_of_2(D)),
+            BLOCK_D=_block_d(D),
+            EVEN_D=_block_d(D) == D,
             PRECISION=_precision(q.dtype),
             **cfg,
         )
-        ctx.save_for_backward(q, k, v, o, lse, seq_start, seq_end)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.layout = layout
         ctx.scale = scale
-        ctx.bwd_config = bwd_config
+        ctx.config = config
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, seq_start, seq_end = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors
+        layout = ctx.layout
         T, H, D = q.shape
         K = k.shape[1]
         do = do.contiguous() if do.stride(-1) != 1 else do
         delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
-        block_d = max(16, triton.next_power_of_2(D))
+        block_d = _block_d(D)
         _bwd_delta_kernel[(triton.cdiv(T, 64), H)](
             o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
         )
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        table = BWD_CONFIGS_GQA if H != K and D in BWD_CONFIGS_GQA else BWD_CONFIGS
-        cfg_kv = _config(table, D, q.device, ctx.bwd_config, "dkdv")
-        cfg_q = _config(table, D, q.device, ctx.bwd_config, "dq")
-        common = dict(GROUP=H // K, BLOCK_D=block_d, PRECISION=_precision(q.dtype))
+        (order_kv, cfg_kv), (order_q, cfg_q) = _launch(ctx.config["dkdv"]), _launch(ctx.config["dq"])
+        common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
         strides_in = (
             q.stride(0),
             q.stride(1),
@@ -391,7 +485,7 @@ class _VarlenAttention(torch.autograd.Function):
             do.stride(0),
             do.stride(1),
         )
-        _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]), K)](
+        _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
             q,
             k,
             v,
@@ -400,8 +494,9 @@ class _VarlenAttention(torch.autograd.Function):
             dv,
             lse,
             delta,
-            seq_start,
-            seq_end,
+            layout.seq_start,
+            layout.seq_end,
+            layout.order("k", cfg_kv["BLOCK_N"], order_kv),
             *strides_in,
             dk.stride(0),
             dk.stride(1),
@@ -409,12 +504,13 @@ class _VarlenAttention(torch.autograd.Function):
             dv.stride(1),
             T,
             D,
+            K,
             ctx.scale * LOG2E,
             ctx.scale,
             **common,
             **cfg_kv,
         )
-        _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]), H)](
+        _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
             q,
             k,
             v,
@@ -422,18 +518,20 @@ class _VarlenAttention(torch.autograd.Function):
             dq,
             lse,
             delta,
-            seq_start,
+            layout.seq_start,
+            layout.order("q", cfg_q["BLOCK_M"], order_q),
             *strides_in,
             dq.stride(0),
             dq.stride(1),
             T,
             D,
+            H,
             ctx.scale * LOG2E,
             ctx.scale,
             **common,
             **cfg_q,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def triton_varlen_attention(
@@ -444,17 +542,17 @@ def triton_varlen_attention(
     max_seqlen: int,
     scale: float,
     *,
-    fwd_config: dict | None = None,
-    bwd_config: dict | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention within documents.
 
-    `fwd_config` ({BLOCK_M, BLOCK_N, num_warps, num_stages}) and `bwd_config` ({"dkdv": {...}, "dq": {...}}) override
-    the block shapes, for tuning.
+    `config` overrides, for tuning, parts of the per-shape defaults (`resolve_config`): {"fwd" | "dkdv" | "dq":
+    {BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER}}, each part partial.
     """
     T, H, D = q_THD.shape
     if q_THD.numel() >= 2**31 or k_TKD.numel() >= 2**31:
         raise ValueError(f"q {tuple(q_THD.shape)} has 2**31 or more elements; the kernel indexes in int32")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_THD, k_TKD, v_TKD))
-    seq_start, seq_end = document_bounds(cu_seqlens.to(q.device), T)
-    return _VarlenAttention.apply(q, k, v, seq_start, seq_end, scale, fwd_config, bwd_config)
+    cu = cu_seqlens if cu_seqlens.device == q.device else cu_seqlens.to(q.device)
+    config = resolve_config(D, H != k.shape[1], q.device, config)
+    return _VarlenAttention.apply(q, k, v, row_layout(cu, T), scale, config)

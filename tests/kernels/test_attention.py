@@ -55,23 +55,26 @@ CASES = {
 }
 
 
+def assert_matches_fp64(o, q, k, v, doc_lengths, scale, tol):
+    """`o` and, after a backward with a random dO, q/k/v's gradients against the fp64 per-document reference."""
+    do = torch.randn_like(o)
+    o.backward(do)
+    q64, k64, v64 = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
+    ref = _differentiable_reference(q64, k64, v64, doc_lengths, scale)
+    ref.backward(do.double().cpu())
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert rel_err(o, ref) <= tol
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert got.dtype == q.dtype and rel_err(got, want) <= tol
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_backward_match_fp64(backend, case, device):
     doc_lengths, H, K, D = CASES[case]
     q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=len(case))
-    scale = D**-0.5
     o = varlen_attention(q, k, v, cu, max(doc_lengths), backend=backend)
-    do = torch.randn_like(o)
-    o.backward(do)
-
-    q64, k64, v64 = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-    ref = _differentiable_reference(q64, k64, v64, doc_lengths, scale)
-    ref.backward(do.double().cpu())
-    assert o.shape == q.shape and o.dtype == q.dtype
-    assert rel_err(o, ref) <= 1e-5
-    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        assert rel_err(got, want) <= 1e-5
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
 
 
 def _differentiable_reference(q, k, v, doc_lengths, scale):
@@ -85,6 +88,34 @@ def _differentiable_reference(q, k, v, doc_lengths, scale):
         outs.append(torch.einsum("hij,jhd->ihd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v[sl]))
         start += length
     return torch.cat(outs)
+
+
+# Tile shapes as the GPU uses them (BLOCK_M != BLOCK_N both ways), both program orders, and a head dim that is not a
+# power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
+# inside it, and masked blocks on the diagonal and the end.
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order):
+    fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1}
+    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n}, "dq": fwd}
+
+
+TILES = {
+    "m32_n16_lpt": _tiles(32, 16, 16, 32, "lpt"),
+    "m32_n16_row": _tiles(32, 16, 16, 32, "row"),
+    "m16_n32_lpt": _tiles(16, 32, 32, 16, "lpt"),
+    "m16_n32_row": _tiles(16, 32, 32, 16, "row"),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", list(TILES))
+@pytest.mark.parametrize(("H", "K", "D"), [(4, 4, 16), (4, 1, 24)])
+def test_triton_tile_shapes_and_program_orders(tiles, H, K, D, device):
+    from sftflow.kernels.attention_triton import triton_varlen_attention
+
+    doc_lengths = [3, 70, 1, 100, 17]
+    q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=D)
+    o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, config=TILES[tiles])
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,11 +185,45 @@ def test_triton_bf16_on_gpu(D, group):
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     o = varlen_attention(q, k, v, cu, max(doc_lengths), backend="triton")
-    do = torch.randn_like(o)
-    o.backward(do)
-    q64, k64, v64 = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-    ref = _differentiable_reference(q64, k64, v64, doc_lengths, D**-0.5)
-    ref.backward(do.double().cpu())
-    assert rel_err(o, ref) <= 1e-2
-    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        assert rel_err(got, want) <= 1e-2
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2)
+
+
+@needs_triton
+def test_row_layout_orders_blocks_heaviest_first_and_is_reused():
+    from sftflow.kernels.attention_triton import row_layout
+
+    lengths = [5, 40, 3, 20]
+    cu = torch.tensor([0, 5, 45, 48, 68], dtype=torch.int32)
+    T = 68
+    layout = row_layout(cu, T)
+    start = torch.repeat_interleave(cu[:-1], torch.tensor(lengths))
+    end = torch.repeat_interleave(cu[1:], torch.tensor(lengths))
+    assert torch.equal(layout.seq_start, start.int()) and torch.equal(layout.seq_end, end.int())
+    assert layout.order("k", 8, "row").tolist() == list(range(9))
+    for side, block in (("q", 16), ("k", 8)):
+        order = layout.order(side, block).tolist()
+        assert sorted(order) == list(range(-(-T // block)))  # every block exactly once
+        firsts = [b * block for b in order]
+        lasts = [min(f + block, T) - 1 for f in firsts]
+        work = [
+            last + 1 - int(start[f]) if side == "q" else int(end[last]) - f
+            for f, last in zip(firsts, lasts, strict=True)
+        ]
+        assert work == sorted(work, reverse=True) and work[0] > work[-1]
+    assert row_layout(cu, T) is layout  # the same tensor again (every layer of a step): reused
+    cu[1] = 6  # changed in place: recomputed
+    assert row_layout(cu, T) is not layout
+    assert row_layout(cu.clone(), T) is not row_layout(cu, T)
+
+
+@needs_triton
+def test_config_overrides_are_checked():
+    from sftflow.kernels.attention_triton import resolve_config, triton_varlen_attention
+
+    cfg = resolve_config(128, True, torch.device("cuda"), {"dq": {"BLOCK_M": 128}})
+    assert cfg["dq"]["BLOCK_M"] == 128 and cfg["dq"]["BLOCK_N"] == 32 and cfg["fwd"]["ORDER"] == "lpt"
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_config(64, False, torch.device("cpu"), {"bwd": {}})
+    q, k, v, cu = make_inputs([4, 4], 2, 1, 16, "cpu")
+    with pytest.raises(ValueError, match="ORDER="):
+        triton_varlen_attention(q, k, v, cu, 4, 0.25, config={"fwd": {"ORDER": "random"}})
