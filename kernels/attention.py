@@ -72,7 +72,7 @@ BACKENDS = {
     "torch": _torch_varlen_available,
     "sdpa": _sdpa_available,
 }
-# CUDA order from benchmarks/RESULTS.md (## Kernels): on the H200 our Triton kernel ran forward+backward 1.20-1.35x
+# CUDA order from benchmarks/RESULTS.md (## Kernels): on the H200 our Triton kernel ran forward+backward 1.35-1.69x
 # faster than torch varlen_attn (FlashAttention-2 inside torch) at D=64 and D=128, so it comes first; flash_attn
 # (FA2 too) was not installed there and was not measured. Head dims above 128 skip triton (not tuned or tested).
 PREFERENCE = {"cuda": ("triton", "flash_attn", "torch", "sdpa"), "cpu": ("sdpa", "triton")}
