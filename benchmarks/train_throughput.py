@@ -541,7 +541,7 @@ class Bench:
         from sftflow.tasks.train.fsdp import shard_model
         from sftflow.tasks.train.metrics import MetricsLogger
         from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
-        from sftflow.tasks.train.worker import train_step
+        from sftflow.tasks.train.worker import Prefetch, train_step
 
         args, env, plan = self.args, self.env, self.plan
         compiled = resolve_compile(compile_mode, env.device)
@@ -577,13 +577,23 @@ class Bench:
             timings.setdefault(key, []).append(now - t0)
             return now
 
+        prefetch = Prefetch(batches, plan, plan.num_steps)
+
         def step(s, breakdown=False):
             # -- the worker's loop body (skip/NaN branches elided: never taken here) --
             t0 = time.perf_counter()
             step_loss_tokens = int(plan.step_loss_tokens[s])
-            micro_batches = batches(s)
+            micro_batches = prefetch.take(s)  # collated during the previous step, as in the worker
             tb = mark("collate", t0, breakdown)
-            result = train_step(model, optimizer, micro_batches, step_loss_tokens, self.optim_c.grad_clip, env.device)
+            result = train_step(
+                model,
+                optimizer,
+                micro_batches,
+                step_loss_tokens,
+                self.optim_c.grad_clip,
+                env.device,
+                host_work=partial(prefetch.collate, s + 1),
+            )
             tb = mark("train_step", tb, breakdown)
             if result.targets != step_loss_tokens:
                 raise AssertionError(f"step {s}: plan {step_loss_tokens} trained tokens, batches {result.targets}")

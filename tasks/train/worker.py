@@ -127,19 +127,51 @@ def train_step(
     max_norm: float | None,
     device: torch.device,
     after_backward=None,
+    host_work=None,
 ) -> StepTotals:
     """The training step, as the worker runs it (and `benchmarks/train_throughput.py` times it): forward and
-    backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals."""
+    backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals.
+
+    `host_work()`, if given, runs once everything is queued and before that sync, so host work such as collating the
+    next step's micro-batches overlaps the device's backward and optimizer instead of leaving the device idle."""
     local = forward_backward(model, batches, step_loss_tokens, device)
     if after_backward is not None:
         after_backward()
     norm = optimizer_step(model, optimizer, max_norm)
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(local)
+    if host_work is not None:
+        host_work()
     loss_sum, targets, tokens, sum_sq, norm_value = torch.cat([local, norm.double().reshape(1)]).tolist()
     return StepTotals(
         loss_sum=loss_sum, targets=int(targets), tokens=int(tokens), sum_sq_doc_lengths=sum_sq, grad_norm=norm_value
     )
+
+
+class Prefetch:
+    """One step's collated micro-batches, made ahead: `train_step` collates step s + 1 (`collate`, as its host work)
+    while the device runs step s, and the loop `take`s them. A step not collated ahead (the first, or one after a
+    skipped step) is collated when taken. An error while collating ahead is raised when that step is taken, so it
+    belongs to its own step (step s still finishes, logs and checkpoints)."""
+
+    def __init__(self, batches, plan, total_steps: int):
+        self.batches, self.plan, self.total_steps = batches, plan, total_steps
+        self.ready: tuple[int, list[dict] | Exception] | None = None
+
+    def collate(self, step: int) -> None:
+        if step < self.total_steps and int(self.plan.step_loss_tokens[step]) > 0:
+            try:
+                self.ready = (step, self.batches(step))
+            except Exception as err:  # noqa: BLE001 - kept for its own step, see the class docstring
+                self.ready = (step, err)
+
+    def take(self, step: int) -> list[dict]:
+        ready, self.ready = self.ready, None
+        if ready is None or ready[0] != step:
+            return self.batches(step)
+        if isinstance(ready[1], Exception):
+            raise ready[1]
+        return ready[1]
 
 
 def save_full_grads(model: torch.nn.Module, path: Path, env: DistEnv) -> None:
@@ -235,6 +267,7 @@ def train(run_dir: Path) -> None:
 
     nonfinite_in_a_row = 0
     maybe_crash = fault_hook(run_dir, env)
+    prefetch = Prefetch(batches, plan, total_steps)
     for step in range(progress.step, total_steps):
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
@@ -252,7 +285,14 @@ def train(run_dir: Path) -> None:
                 grads_path = Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors"
                 save_grads = partial(save_full_grads, lm, grads_path, env)
             result = train_step(
-                model, optimizer, batches(step), step_loss_tokens, optim_c.grad_clip, env.device, save_grads
+                model,
+                optimizer,
+                prefetch.take(step),
+                step_loss_tokens,
+                optim_c.grad_clip,
+                env.device,
+                save_grads,
+                host_work=partial(prefetch.collate, step + 1),
             )
             loss_sum, targets, tokens = result.loss_sum, result.targets, result.tokens
             sum_sq, grad_norm_value = result.sum_sq_doc_lengths, result.grad_norm

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -191,3 +192,60 @@ def test_compile_auto_falls_back_to_eager_where_compile_fails(strict, monkeypatc
         else:
             assert torch.equal(layer(x), x * 2 + 1)
     torch._dynamo.reset()
+
+
+class _Batches:
+    """Stands in for RankBatches: records which steps were collated; step 3's data is broken."""
+
+    def __init__(self):
+        self.collated = []
+
+    def __call__(self, step):
+        self.collated.append(step)
+        if step == 3:
+            raise ValueError("data.pbin: record 7: bad loss span")
+        return [{"step": step}]
+
+
+def test_prefetch_collates_the_next_step_and_defers_its_errors():
+    from sftflow.tasks.train.worker import Prefetch
+
+    plan = types.SimpleNamespace(step_loss_tokens=np.array([5, 5, 0, 5, 5]))
+    batches = _Batches()
+    prefetch = Prefetch(batches, plan, total_steps=5)
+    assert prefetch.take(0) == [{"step": 0}]  # nothing made ahead: collated now
+    prefetch.collate(1)
+    assert prefetch.take(1) == [{"step": 1}] and batches.collated == [0, 1]  # made ahead, not again
+    prefetch.collate(2)  # a step without trained tokens is skipped by the loop: nothing to make
+    assert batches.collated == [0, 1]
+    prefetch.collate(3)  # the error stays with step 3 ...
+    with pytest.raises(ValueError, match="record 7"):
+        prefetch.take(3)  # ... and surfaces when step 3 runs
+    prefetch.collate(4)
+    assert prefetch.take(2) == [{"step": 2}]  # a different step than the one made ahead: collated now
+    prefetch.collate(5)  # past the last step: nothing
+    assert prefetch.ready is None
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_train_step_runs_host_work_once_before_its_totals(gloo_world_of_one):
+    from sftflow.tasks.train import worker
+
+    torch.manual_seed(0)
+    lm = build_model("tiny-llama", vocab_size=100, packed=True)
+    model = CausalLMLoss(lm)
+    opt = build_optimizer(model, OPTIM)
+    docs = [(np.arange(9) % 100, np.array([[3, 9]], dtype=np.int32))]
+    batch = collate(docs, packed_collator())
+    calls = []
+    totals = worker.train_step(model, opt, [batch], 6, 1.0, CPU, host_work=lambda: calls.append(opt.state != {}))
+    assert calls == [True]  # once, after the optimizer step was issued
+    assert totals.targets == 6 and totals.tokens == 9 and math.isfinite(totals.loss_sum)
