@@ -12,9 +12,10 @@ tokens (labels != ignore_index); the caller divides by the global trained-token 
         grad_weight         += logits_CV^T @ hidden[rows_C]
 
 The gradients are computed in the forward and kept for the backward, which only scales them by the incoming
-gradient (an autograd.Function). The per-chunk softmax step is either plain PyTorch (``reference``, the CPU default
-and the oracle's twin) or a Triton kernel (``triton``, the CUDA default; it also runs on CPU under
-``TRITON_INTERPRET=1``). ``SFTFLOW_CROSS_ENTROPY=<name>`` forces a backend.
+gradient (an autograd.Function; the Triton backend skips that pass when the gradient is 1, checked on the device).
+The per-chunk softmax step is either plain PyTorch (``reference``, the CPU default and the oracle's twin) or a
+Triton kernel (``triton``, the CUDA default; it also runs on CPU under ``TRITON_INTERPRET=1``).
+``SFTFLOW_CROSS_ENTROPY=<name>`` forces a backend.
 
 Precision: every matmul accumulates in fp32 and the softmax math is fp32. ``grad_weight`` is accumulated across
 chunks in the input dtype (as Liger-Kernel does): an fp32 (V, D) buffer would cost 1 GiB more at V=128k, D=2048.
@@ -74,7 +75,21 @@ def _ce_step_triton(logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: tor
     ce_loss_and_grad_(logits_CV, target_C, loss_C)
 
 
+def _scale_reference(x: torch.Tensor, s: torch.Tensor) -> None:
+    x.mul_(s.to(x.dtype))
+
+
+def _scale_triton(x: torch.Tensor, s: torch.Tensor) -> None:
+    from sftflow.kernels.cross_entropy_triton import scale_
+
+    if not x.is_contiguous():  # grad_weight follows the weight's strides
+        _scale_reference(x, s)
+        return
+    scale_(x, s.detach().float().contiguous())
+
+
 CE_STEPS = {"reference": _ce_step_reference, "triton": _ce_step_triton}
+SCALES = {"reference": _scale_reference, "triton": _scale_triton}
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype, hidden_size: int = 0, gathered: bool = False) -> int:
@@ -141,21 +156,21 @@ def _loss_and_grads(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, ce_step, need_h, need_w):
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, backend, need_h, need_w):
         loss, grad_hidden, grad_weight = _loss_and_grads(
-            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, ce_step, need_h, need_w
+            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, CE_STEPS[backend], need_h, need_w
         )
         ctx.grads = (grad_hidden, grad_weight)
+        ctx.scale = SCALES[backend]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = (None, None)  # scaled in place below; a second backward through this graph is not supported
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                ctx.scale(grad, grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
@@ -190,7 +205,7 @@ def linear_cross_entropy(
         labels_T.reshape(-1),
         ignore_index,
         chunk_rows,
-        CE_STEPS[backend],
+        backend,
         grad_on and hidden_TD.requires_grad,
         grad_on and weight_VD.requires_grad,
     )

@@ -14,6 +14,7 @@ import triton.language as tl
 # Columns per step and warps per row program, from the H200 sweep in benchmarks/cross_entropy.py --kernel-sweep.
 BLOCK_V_MAX = 32768
 NUM_WARPS = 32
+SCALE_BLOCK = 4096
 
 
 @triton.jit
@@ -62,3 +63,24 @@ def ce_loss_and_grad_(
         logits_CV, logits_CV.stride(0), target_C.contiguous(), loss_C, V, BLOCK_V=block_v, num_warps=NUM_WARPS
     )
     return loss_C
+
+
+@triton.jit
+def _scale_kernel(x_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    s = tl.load(s_ptr).to(tl.float32)
+    if s != 1.0:  # every program reads the scale on the device and exits at once when it is 1
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=offs < n)
+
+
+def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`x *= s` in place (fp32 math), `s` a one-element tensor on x's device; no pass over x when s == 1.
+
+    The backward scales the gradients that the forward precomputed by the incoming gradient. That is 1 when the CE
+    sum is the loss, and a pass over (V, D) is then wasted; checking it on the host would cost a sync, so the kernel
+    checks it on the device instead."""
+    assert x.is_contiguous() and s.numel() == 1, "x must be contiguous and s a one-element tensor"
+    if x.numel():
+        _scale_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](x, s, x.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+    return x

@@ -172,3 +172,20 @@ def test_grad_weight_is_written_by_the_first_chunk_not_accumulated_onto_garbage(
         ref_w = weight.detach().clone().requires_grad_()
         F.cross_entropy(hidden.detach() @ ref_w.T, labels, reduction="sum").backward()
         torch.testing.assert_close(weight.grad, ref_w.grad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_kernel_scales_in_fp32_and_skips_a_scale_of_one(dtype, device):
+    from sftflow.kernels.cross_entropy_triton import SCALE_BLOCK, scale_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * SCALE_BLOCK + 37, generator=g).to(device, dtype)  # a partial last block
+    before = x.clone()
+    scale_(x, torch.ones((), device=device))
+    assert torch.equal(x, before)  # 1: untouched (no pass)
+    s = torch.tensor(1 / 4096.0 + 1e-7, device=device)  # not exact in bf16: fp32 math gives the closer result
+    scale_(x, s)
+    assert torch.equal(x, (before.float() * s).to(dtype))
+    scale_(x, torch.zeros((), device=device))
+    assert torch.count_nonzero(x) == 0
