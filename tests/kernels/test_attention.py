@@ -227,3 +227,25 @@ def test_config_overrides_are_checked():
     q, k, v, cu = make_inputs([4, 4], 2, 1, 16, "cpu")
     with pytest.raises(ValueError, match="ORDER="):
         triton_varlen_attention(q, k, v, cu, 4, 0.25, config={"fwd": {"ORDER": "random"}})
+
+
+def test_flash_attn_adapter_follows_its_varlen_api(monkeypatch):
+    """flash-attn is installed on no machine here, so its backend never runs; this checks our side of its documented
+    call, `flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=, causal=)`, against a stand-in
+    module that answers with the sdpa reference."""
+    import sys
+    import types
+
+    seen = {}
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        seen.update(q=q, k=k, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=softmax_scale, causal=causal)
+        return varlen_attention(q, k, v, cu_q.long(), max_q, scale=softmax_scale, backend="sdpa")
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    q, k, v, cu = make_inputs([6, 1, 9], 8, 2, 16, "cpu", seed=4)
+    out = varlen_attention(q, k, v, cu.long(), 9, scale=0.3, backend="flash_attn")
+    assert seen["q"] is q and seen["k"] is k  # GQA passed through: flash-attn takes K < H itself
+    assert seen["cu_q"].dtype == torch.int32 and torch.equal(seen["cu_q"], seen["cu_k"])
+    assert (seen["max_q"], seen["max_k"], seen["scale"], seen["causal"]) == (9, 9, 0.3, True)
+    assert rel_err(out, dense_reference(q, k, v, [6, 1, 9], 0.3)) <= 1e-6
