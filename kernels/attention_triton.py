@@ -380,14 +380,15 @@ class RowLayout:
         the queries that can see it (from its start to the end of its last key's document)."""
         key = (side, block, how)
         if key not in self.orders:
-            T = self.seq_start.numel()
-            first = torch.arange(0, T, block, device=self.seq_start.device, dtype=torch.int32)
+            T, device = self.seq_start.numel(), self.seq_start.device
+            blocks = torch.arange(triton.cdiv(T, block), device=device, dtype=torch.int32)
             if how == "row":
-                self.orders[key] = torch.arange(first.numel(), device=first.device, dtype=torch.int32)
-                return self.orders[key]
-            last = torch.clamp(first + block, max=T) - 1
-            work = last + 1 - self.seq_start[first] if side == "q" else self.seq_end[last] - first
-            self.orders[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+                self.orders[key] = blocks
+            else:
+                first = blocks * block
+                last = torch.clamp(first + block, max=T) - 1
+                work = last + 1 - self.seq_start[first] if side == "q" else self.seq_end[last] - first
+                self.orders[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
         return self.orders[key]
 
 
