@@ -245,6 +245,9 @@ def train(
     rdzv_endpoint: Annotated[str | None, typer.Option(help="host:port of the c10d rendezvous")] = None,
     rdzv_id: Annotated[str | None, typer.Option(help="rendezvous id shared by all nodes")] = None,
     compile: Annotated[str | None, typer.Option(help="auto|off|layers: torch.compile each decoder layer")] = None,
+    parallel: Annotated[
+        str | None, typer.Option(help="auto|fsdp|single: FSDP2, or one device without sharding (auto: single on 1 GPU)")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="YAML with TrainConfig fields")] = None,
 ) -> None:
     """Train with torchrun (FSDP2, packed rows, DCP checkpoints) and export a Hugging Face folder."""
@@ -273,6 +276,7 @@ def train(
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id,
         compile=compile,
+        parallel=parallel,
     )
     for key, value in flags.items():
         _set(raw, key, value)

@@ -55,6 +55,10 @@ class ModelState(Stateful):
     def load_state_dict(self, state_dict):
         set_model_state_dict(self.model, state_dict)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on rank 0's CPU (export); a collective, call it on every rank."""
+        return full_model_state_dict(self.model)
+
 
 class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):

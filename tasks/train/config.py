@@ -69,6 +69,11 @@ class TrainConfig(BaseModel):
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
     )
+    parallel: Literal["auto", "fsdp", "single"] = Field(
+        "auto",
+        description="fsdp: FSDP2 over all ranks; single: one process, no sharding (compute-dtype weights, fp32 "
+        "masters in the optimizer); auto = single on one CUDA device, fsdp otherwise",
+    )
 
     # checkpoints and export
     checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
@@ -110,6 +115,11 @@ class TrainConfig(BaseModel):
             raise ValueError("give exactly one data source: `data` (a dataset index folder) or `mock`")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.parallel == "single" and self.nproc * self.nnodes > 1:
+            raise ValueError(
+                f"parallel='single' trains in one process; got nproc={self.nproc} x nnodes={self.nnodes} "
+                "(use parallel='fsdp' or 'auto')"
+            )
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self

@@ -29,6 +29,7 @@ TRAIN_CACHE = StageCache(
         "sftflow.tasks.train.worker",
         "sftflow.tasks.train.model",
         "sftflow.tasks.train.fsdp",
+        "sftflow.tasks.train.single_device",
         "sftflow.tasks.train.checkpoint",
         "sftflow.tasks.train.collate",
         "sftflow.tasks.train.data",
@@ -36,6 +37,7 @@ TRAIN_CACHE = StageCache(
         "sftflow.kernels.attention",
         "sftflow.kernels.cross_entropy",
         "sftflow.kernels.rope",
+        "sftflow.kernels.adamw",
     ),
 )
 

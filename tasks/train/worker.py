@@ -33,7 +33,6 @@ from sftflow.tasks.train.checkpoint import (
     OptimizerState,
     Progress,
     SchedulerState,
-    full_model_state_dict,
 )
 from sftflow.tasks.train.compile import compile_layers, resolve_compile
 from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
@@ -41,18 +40,44 @@ from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
 from sftflow.tasks.train.model import attention_width, build_model, count_params, decoder_layers, model_batch
+from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 
 log = logging.getLogger("sftflow.train")
 
 
-def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.AdamW:
-    """Fused AdamW (one kernel for all parameters, CPU and CUDA); weight decay on matrices only (not on norms and
-    biases). Fused, because `optimizer_step` hands it the clipping factor and the non-finite flag as device tensors,
-    so clipping and skipping cost no extra pass over the gradients and no host sync."""
+def param_groups(model: torch.nn.Module, c: cfg.OptimConfig) -> list[dict]:
+    """Weight decay on matrices only (not on norms and biases)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, fused=True)
+    return [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.AdamW:
+    """Fused AdamW (one kernel for all parameters, CPU and CUDA) for the FSDP path. Fused, because `optimizer_step`
+    hands it the clipping factor and the non-finite flag as device tensors, so clipping and skipping cost no extra
+    pass over the gradients and no host sync."""
+    return torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=c.betas, eps=c.eps, fused=True)
+
+
+def resolve_parallel(parallel: str, env: DistEnv) -> str:
+    """`auto`: `single` on one CUDA device (where FSDP only adds copies), `fsdp` otherwise."""
+    if parallel == "single" and env.world_size > 1:
+        raise ValueError(f"parallel='single' trains in one process, but the world has {env.world_size} ranks")
+    if parallel == "auto":
+        return "single" if env.world_size == 1 and env.device.type == "cuda" else "fsdp"
+    return parallel
+
+
+def parallelize(lm: torch.nn.Module, env: DistEnv, parallel: str, param_dtype: torch.dtype, c: cfg.OptimConfig):
+    """The training module (`CausalLMLoss` root), its optimizer and the `model` checkpoint component, for `parallel`
+    (resolved): FSDP2 with fused AdamW, or one device with bf16 weights and `MasterAdamW`."""
+    if parallel == "single":
+        model, optimizer = single_device_model(
+            lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps
+        )
+        return model, optimizer, MasterModelState(lm, optimizer)
+    model = shard_model(lm, env, param_dtype)
+    return model, build_optimizer(model, c), ModelState(lm)
 
 
 def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
@@ -85,23 +110,31 @@ def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: 
     return torch.cat([loss_total.reshape(1), counts.to(device)])
 
 
-def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+def gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This step's gradients: `param.grad` (FSDP), or held by `MasterAdamW` (one device; fp32 once accumulated)."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.gradients()
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """Global gradient L2 norm over all shards, as a 0-d fp32 tensor on the device (no host sync)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.float()
+    if grads and isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).full_tensor().float()
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    # fp32 per-tensor norms, also for bf16 gradients (a bf16 norm would keep ~3 significant digits)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
     """Clip to `max_norm` by the global norm and step, skipping the update when the norm is not finite.
 
-    Both go into the fused AdamW kernel as device tensors: it divides every gradient by `grad_scale`
+    Both go into the fused AdamW (or `MasterAdamW`) kernel as device tensors: it divides every gradient by `grad_scale`
     (= max(1, norm / max_norm), which is `clip_grad_norm_`'s factor) and leaves parameters, moments and step
     counters untouched when `found_inf` is set. Returns the (unclipped) norm tensor.
     """
-    norm = grad_norm(model)
+    norm = grad_norm(gradients(model, optimizer))
     optimizer.found_inf = (~torch.isfinite(norm)).float()
     optimizer.grad_scale = None if max_norm is None else torch.clamp(norm / max_norm, min=1.0)
     optimizer.step()
@@ -174,13 +207,14 @@ class Prefetch:
         return ready[1]
 
 
-def save_full_grads(model: torch.nn.Module, path: Path, env: DistEnv) -> None:
-    """Debug: gather every gradient in full and write them (rank 0) as safetensors, keyed by parameter name."""
+def save_full_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, env: DistEnv) -> None:
+    """Debug: gather every gradient in full and write them (rank 0) as fp32 safetensors, keyed by parameter name."""
     from safetensors.torch import save_file
 
     grads = {}
     for name, p in model.named_parameters():
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        g = optimizer.grad(p) if isinstance(optimizer, MasterAdamW) else p.grad
+        g = g.full_tensor() if isinstance(g, DTensor) else g
         grads[name] = g.detach().float().cpu().contiguous()
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,14 +266,14 @@ def train(run_dir: Path) -> None:
     compiled = resolve_compile(config.compile, env.device)
     if compiled:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers")
-    model = shard_model(lm, env, compute_dtype(env, config.dtype))
     optim_c = cfg.optim_config(config)
-    optimizer = build_optimizer(model, optim_c)
+    parallel = resolve_parallel(config.parallel, env)
+    model, optimizer, model_state = parallelize(lm, env, parallel, compute_dtype(env, config.dtype), optim_c)
     schedule_c = cfg.schedule_config(config, total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
     progress = Progress()
     states = {
-        "model": ModelState(lm),
+        "model": model_state,
         "optimizer": OptimizerState(lm, optimizer),
         "lr_scheduler": SchedulerState(scheduler),
         "progress": progress,
@@ -261,7 +295,8 @@ def train(run_dir: Path) -> None:
         print(
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
-            f"({plan.mode}), training steps {progress.step}..{total_steps}" + (", compiled layers" if compiled else ""),
+            f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
+            + (", compiled layers" if compiled else ""),
             flush=True,
         )
 
@@ -283,7 +318,7 @@ def train(run_dir: Path) -> None:
             save_grads = None
             if step + 1 in config.save_grads_at_steps:
                 grads_path = Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors"
-                save_grads = partial(save_full_grads, lm, grads_path, env)
+                save_grads = partial(save_full_grads, lm, optimizer, grads_path, env)
             result = train_step(
                 model,
                 optimizer,
@@ -336,7 +371,7 @@ def train(run_dir: Path) -> None:
     if checkpointer.last_saved_step != progress.step:
         checkpointer.save(progress.step)
     if config.export:
-        state_dict = full_model_state_dict(lm)
+        state_dict = model_state.full_state_dict()
         if env.is_main:
             export_hf(state_dict, lm.config, Path(run_dir) / "hf", tokenizer=tokenizer_path, dtype=config.export_dtype)
             print(f"[train] exported {Path(run_dir) / 'hf'}", flush=True)

@@ -11,15 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_helpers import losses, metrics, planned_mock, run  # noqa: E402
+from train_helpers import losses, metrics, planned_mock, rel, run  # noqa: E402
 
 from sftflow.tasks.plan import PlanConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def test_four_ranks_match_one_rank(four):
     four_ranks, one_rank = losses(root / "run4"), losses(root / "run1")
     assert len(four_ranks) == len(one_rank) == num_steps
     for step, (a, b) in enumerate(zip(four_ranks, one_rank, strict=True), 1):
-        assert _rel(a, b) <= 1e-4, (step, a, b)
+        assert rel(a, b) <= 1e-4, (step, a, b)
 
 
 def test_checkpoint_saved_on_four_ranks_resumes_on_two(four):
@@ -56,4 +52,4 @@ def test_checkpoint_saved_on_four_ranks_resumes_on_two(four):
     run(base, out, nproc=2, resume=True)
     assert [m["step"] for m in metrics(out)] == list(range(4, num_steps + 1))
     for a, b in zip(losses(out), losses(root / "run4")[3:], strict=True):
-        assert _rel(a, b) <= 1e-4
+        assert rel(a, b) <= 1e-4

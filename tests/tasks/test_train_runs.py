@@ -8,7 +8,6 @@ ranks). Everything else (multi-node, resharding, selective loading) starts from 
 from __future__ import annotations
 
 import math
-import shutil
 import socket
 import sys
 import threading
@@ -20,7 +19,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_helpers import losses, metrics, mock_config, planned_mock, read_dcp, read_safetensors, run, write_plan  # noqa: E402
+from train_helpers import (  # noqa: E402
+    losses,
+    metrics,
+    mock_config,
+    planned_mock,
+    read_dcp,
+    read_safetensors,
+    rel,
+    resume_from,
+    run,
+    write_plan,
+)
 
 from sftflow.tasks.plan import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
@@ -28,10 +38,6 @@ from sftflow.tasks.train.launch import train  # noqa: E402
 from sftflow.tasks.train.mock import MockDataset  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def _assert_grads_close(got: dict, want: dict, rtol: float) -> None:
@@ -92,7 +98,7 @@ def test_data_parallel_equals_single_rank_and_grad_accumulation(run1, run2):
     grads1 = read_safetensors(run1 / "debug" / "grads-step-1.safetensors")
     _assert_grads_close(grads2, grads1, rtol=1e-5)
     for step, (a, b) in enumerate(zip(losses(run2), losses(run1), strict=True), 1):
-        assert _rel(a, b) <= 1e-4, (step, a, b)
+        assert rel(a, b) <= 1e-4, (step, a, b)
 
 
 def test_grad_accumulation_equals_one_big_micro_batch(setup, run1):
@@ -154,23 +160,17 @@ def test_two_nodes_match_one_node_with_two_processes(setup, run2):
     assert losses(out) == losses(run2)
 
 
-def _resume_from(source: Path, step: int, out: Path) -> None:
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(source / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
-    (out / "checkpoints" / "latest").write_text(f"step-{step}")
-
-
 @pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
 def test_checkpoint_reshards_across_world_sizes(setup, run1, run2, saved_on, resumed_on):
     root, base, _, _ = setup
     source = {1: run1, 2: run2}[saved_on]
     out = root / f"reshard-{saved_on}-to-{resumed_on}"
-    _resume_from(source, 8, out)
+    resume_from(source, 8, out)
     run(base, out, nproc=resumed_on, resume=True, save_grads_at_steps=())
     resumed, reference = losses(out), losses(source)
     assert [r["step"] for r in metrics(out)] == list(range(9, len(reference) + 1))
     for step, (a, b) in enumerate(zip(resumed, reference[8:], strict=True), 9):
-        assert _rel(a, b) <= 1e-4, (step, a, b)
+        assert rel(a, b) <= 1e-4, (step, a, b)
 
 
 def test_init_from_loads_only_the_model_by_default(setup, run2):

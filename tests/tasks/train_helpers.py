@@ -104,6 +104,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def rel(a: float, b: float) -> float:
+    """Relative difference of `a` from `b` (losses of two runs)."""
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def resume_from(source: Path, step: int, out: Path) -> None:
+    """Make `out` a run whose only checkpoint is `source`'s step-`step` (so `resume` continues from there)."""
+    import shutil
+
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    (out / "checkpoints" / "latest").write_text(f"step-{step}")
+
+
 def read_dcp(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint whose key starts with `prefix`, loaded in this (non-distributed) process."""
     import torch.distributed.checkpoint as dcp

@@ -1,0 +1,235 @@
+"""Training on one device without FSDP: the model computes with bf16 parameters, the optimizer owns fp32 masters.
+
+On one GPU, FSDP2 has nothing to shard, yet it still copies every layer's fp32 parameters into a bf16 buffer before
+its forward and again before its backward, and copies each bf16 gradient out into an fp32 one: ~16 ms of a 255 ms
+1B-model step on an H200 (issue #9). Here instead::
+
+    model parameters   bf16 (compute dtype), used as they are by forward and backward
+    master weights     fp32, held as the bf16 parameter + an int16 `master_low` per parameter (exact; see
+                       `sftflow.kernels.adamw`): 4 bytes per parameter, like FSDP's fp32 parameters
+    gradients          bf16 as autograd makes them; fp32 once a second micro-batch adds to them
+    optimizer state    exp_avg, exp_avg_sq (fp32), step: per parameter, torch's AdamW format
+    optimizer step     one pass per tensor (`sftflow.kernels.adamw`)
+
+Memory is at most FSDP's at world size 1: 4 (master) + 8 (moments) bytes per parameter, plus the gradients (2 bytes
+with one micro-batch per step, 4 with several; FSDP keeps 4). With fp32 compute the parameter is its own master.
+
+Gradient accumulation stays in fp32: a hook after each parameter's gradient accumulation takes the gradient away
+from `param.grad` (so autograd never adds in bf16). The first micro-batch's bf16 gradient is kept as it is (no copy);
+a second one turns it into an fp32 sum. The optimizer reads these gradients (`gradients()`); `param.grad` stays None.
+
+Checkpoints hold exactly what the FSDP path holds: the `model` component is the fp32 masters (joined on the CPU at
+save time) under the Hugging Face names (`MasterModelState`), and the optimizer state has torch AdamW's keys, so a
+run saved here resumes under FSDP on any number of ranks and the other way round. Buffers (RoPE's `inv_freq`) are not
+cast: FSDP's mixed precision leaves them fp32 too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from sftflow.kernels.adamw import (
+    AdamWHyper,
+    MasterTensors,
+    adamw_master_step_,
+    advance_steps_,
+    join_master,
+    split_master,
+)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW whose fp32 master weights live in the optimizer, for a model that computes with bf16 parameters.
+
+    Build it on the fp32 model, then `cast_parameters(torch.bfloat16)`: each parameter becomes its master rounded to
+    bf16, and the optimizer keeps the low bits (`master_low`). It is a `torch.optim.AdamW` for everything outside
+    `step` (param groups, state keys, the LR scheduler, DCP), so checkpoints are interchangeable with the FSDP path's
+    fused AdamW. Clipping and the non-finite skip come in as the device tensors `grad_scale` and `found_inf`, as for
+    fused AdamW.
+    """
+
+    def __init__(self, groups, *, lr: float, betas: tuple[float, float], eps: float):
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}
+        # The hook holds the optimizer weakly: autograd keeps hooks on the C++ side, where Python's garbage collector
+        # cannot see a cycle through them, so a strong reference would keep the optimizer (and its state) alive.
+        this = weakref.ref(self)
+
+        def take_grad(p: nn.Parameter) -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._take_grad(p)
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"MasterAdamW: build it on fp32 parameters (got {p.dtype}), then cast them")
+                if not p.is_contiguous():
+                    p.data = p.data.contiguous()  # the step's kernel reads every tensor as one flat run
+                # State up front (not at the first step): memory is taken before training, and DCP finds it to load
+                # into without a dummy step.
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                }
+                p.register_post_accumulate_grad_hook(take_grad)
+
+    # -- gradients --------------------------------------------------------------------------------------------------
+
+    def _take_grad(self, p: nn.Parameter) -> None:
+        held = self._grads.get(p)
+        if held is None:
+            self._grads[p] = p.grad  # the first micro-batch: keep autograd's tensor, no copy
+        elif held.dtype == torch.float32:
+            held.add_(p.grad)
+        else:
+            self._grads[p] = held.float().add_(p.grad)
+        p.grad = None
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The gradient accumulated for `p` this step (`p.grad` when set directly, as DCP's state init does)."""
+        return self._grads.get(p, p.grad)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [g for group in self.param_groups for p in group["params"] if (g := self.grad(p)) is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads.clear()
+        super().zero_grad(set_to_none=True)
+
+    # -- masters ----------------------------------------------------------------------------------------------------
+
+    def cast_parameters(self, dtype: torch.dtype) -> None:
+        """Make the model's parameters bf16 (keeping the low bits of each fp32 master here), or leave them fp32."""
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"MasterAdamW: parameters in {dtype}; expected bf16 (fp32 masters kept here) or fp32")
+        if dtype == torch.float32:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "master_low" not in self.state[p]:
+                    p.data, self.state[p]["master_low"] = split_master(p.data.contiguous())
+
+    def master(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s fp32 master: `p` itself with fp32 parameters, else joined from `p` and its low bits (a new tensor)."""
+        return join_master(p.data, self.state[p].get("master_low"))
+
+    def set_master(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            low = self.state[p].get("master_low")
+            if low is None:
+                if p.data_ptr() != value.data_ptr():
+                    p.copy_(value)
+                return
+            param, new_low = split_master(value.to(device=p.device, dtype=torch.float32).contiguous())
+            p.copy_(param)
+            low.copy_(new_low)
+
+    # -- the step -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient. Host work is kept small (parameters, low bits and
+        moments are contiguous fp32/bf16/int16 by construction; gradients are checked here): the GPU may be waiting
+        for it."""
+        assert closure is None, "MasterAdamW.step takes no closure"
+        work = []
+        for group in self.param_groups:
+            tensors = []
+            for p in group["params"]:
+                g = self.grad(p)
+                if g is None:
+                    continue
+                if g.dtype not in (p.dtype, torch.float32) or g.shape != p.shape or not g.is_contiguous():
+                    raise ValueError(
+                        f"MasterAdamW: a {g.dtype} gradient of shape {tuple(g.shape)} for {p.dtype} "
+                        f"{tuple(p.shape)}; expected a contiguous one of the parameter's shape"
+                    )
+                s = self.state[p]
+                tensors.append(MasterTensors(p.data, g, s.get("master_low"), s["exp_avg"], s["exp_avg_sq"], s["step"]))
+            beta1, beta2 = group["betas"]
+            hyper = AdamWHyper(
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
+            )
+            work.append((tensors, hyper))
+        advance_steps_([t.step for tensors, _ in work for t in tensors], self.found_inf)
+        for tensors, hyper in work:
+            adamw_master_step_(tensors, hyper, self.grad_scale, self.found_inf, advance_steps=False, check=False)
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch AdamW's state dict: the masters are the `model` component, not optimizer state."""
+        full = super().state_dict()
+        full["state"] = {i: {k: v for k, v in s.items() if k != "master_low"} for i, s in full["state"].items()}
+        return full
+
+    def load_state_dict(self, state_dict) -> None:
+        """Copy into the existing fp32 state. (torch's `load_state_dict` would cast the moments to the parameters'
+        dtype, bf16.)"""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("optimizer state: its parameter groups do not match this model's")
+        by_id = {
+            i: p
+            for saved, group in zip(saved_groups, self.param_groups, strict=True)
+            for i, p in zip(saved["params"], group["params"], strict=True)
+        }
+        with torch.no_grad():
+            for i, saved in state_dict["state"].items():
+                state = self.state[by_id[i]]
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    if state[key].data_ptr() != saved[key].data_ptr():
+                        state[key].copy_(saved[key])
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+class MasterModelState(Stateful):
+    """The `model` checkpoint component of a `MasterAdamW` run: the fp32 masters, under `get_model_state_dict`'s keys
+    (what the FSDP path saves), joined into CPU tensors at save time. Loading splits them back into the parameters
+    and their low bits."""
+
+    def __init__(self, model: nn.Module, optimizer: MasterAdamW):
+        self.model, self.optimizer = model, optimizer
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = get_model_state_dict(self.model)
+        return {k: self.optimizer.master(self.params[k]).cpu() if k in self.params else v for k, v in state.items()}
+
+    def load_state_dict(self, state_dict) -> None:
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key in self.params:
+                    self.optimizer.set_master(self.params[key], value)
+                else:
+                    self.model.get_buffer(key).copy_(value)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on the CPU, fp32 (export)."""
+        return {k: v.detach().cpu() for k, v in self.state_dict().items()}
+
+
+def single_device_model(
+    lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps
+) -> tuple[nn.Module, MasterAdamW]:
+    """Move `lm` (fp32) to `device`, wrap it in `CausalLMLoss`, build the `MasterAdamW` over `groups` (a function of
+    the model giving torch param groups), then cast the parameters to `param_dtype`."""
+    from sftflow.tasks.train.model import CausalLMLoss
+
+    lm.to(device)
+    root = CausalLMLoss(lm)
+    optimizer = MasterAdamW(groups(root), lr=lr, betas=betas, eps=eps)
+    optimizer.cast_parameters(param_dtype)
+    return root, optimizer

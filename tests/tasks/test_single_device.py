@@ -1,0 +1,142 @@
+"""`MasterAdamW` (the one-device path's optimizer) on small modules: fp32 gradient accumulation over bf16 micro-batch
+gradients, the same update as the FSDP path's fused AdamW, and a state dict in torch AdamW's format."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from sftflow.kernels.adamw import split_master
+from sftflow.tasks.train.config import OptimConfig
+from sftflow.tasks.train.single_device import MasterAdamW
+from sftflow.tasks.train.worker import build_optimizer, gradients, optimizer_step, param_groups
+
+OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0, max_nonfinite_steps=3)
+
+
+def _net(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _master_adamw(net: nn.Module, dtype: torch.dtype) -> MasterAdamW:
+    opt = MasterAdamW(param_groups(net, OPTIM), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps)
+    opt.cast_parameters(dtype)
+    return opt
+
+
+def _loss(net: nn.Module, seed: int, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed))
+    return net(x.to(next(net.parameters()).dtype)).float().square().sum() * scale
+
+
+def test_micro_batch_gradients_accumulate_in_fp32():
+    net = _net()
+    opt = _master_adamw(net, torch.bfloat16)
+    singles = []
+    for seed in (1, 2, 3):  # each micro-batch's own bf16 gradient
+        _loss(net, seed).backward()
+        singles.append([g.clone() for g in gradients(net, opt)])
+        opt.zero_grad()
+    _loss(net, 1).backward()
+    held = gradients(net, opt)
+    assert all(g.dtype == torch.bfloat16 for g in held)  # one micro-batch: autograd's tensor, no copy
+    for seed in (2, 3):
+        _loss(net, seed).backward()
+    held = gradients(net, opt)
+    assert all(p.grad is None for p in net.parameters())  # autograd never adds in bf16
+    for got, *parts in zip(held, *singles, strict=True):
+        assert got.dtype == torch.float32
+        assert torch.equal(got, parts[0].float() + parts[1].float() + parts[2].float())
+
+
+@pytest.mark.parametrize("scale", [1e-3, 50.0])  # below and above the clip threshold
+def test_same_update_as_fused_adamw_in_fp32(scale):
+    ours, ref = _net(), _net()
+    opt, ref_opt = _master_adamw(ours, torch.float32), build_optimizer(ref, OPTIM)
+    assert all(opt.master(p).data_ptr() == p.data_ptr() for p in ours.parameters())  # fp32: its own master
+    for seed in range(3):
+        _loss(ours, seed, scale).backward()
+        _loss(ref, seed, scale).backward()
+        norm, ref_norm = optimizer_step(ours, opt, OPTIM.grad_clip), optimizer_step(ref, ref_opt, OPTIM.grad_clip)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_parameters_follow_fp32_masters():
+    net = _net()
+    fp32 = [p.detach().clone() for p in net.parameters()]
+    opt = _master_adamw(net, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in net.parameters())
+    assert all(opt.state[p]["master_low"].dtype == torch.int16 for p in net.parameters())
+    assert all(torch.equal(opt.master(p), w) for p, w in zip(net.parameters(), fp32, strict=True))  # exact
+    _loss(net, 0).backward()
+    optimizer_step(net, opt, OPTIM.grad_clip)
+    for p, w in zip(net.parameters(), fp32, strict=True):
+        master = opt.master(p)
+        assert master.dtype == torch.float32 and not torch.equal(master, w)  # updated
+        assert torch.equal(p.detach(), split_master(master)[0])
+        assert not torch.equal(master, p.detach().float())  # the master keeps fp32 detail
+
+
+def test_optimizer_is_freed_with_its_last_reference():
+    """The gradient hooks must not keep the optimizer (and its state) alive after the run lets go of it."""
+    net = _net()
+    opt = _master_adamw(net, torch.bfloat16)
+    _loss(net, 0).backward()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    _loss(net, 1).backward()  # the hooks left behind do nothing: the gradient stays on the parameter
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_state_dict_is_adamws_and_loads_into_fp32_state():
+    net = _net()
+    opt = _master_adamw(net, torch.bfloat16)
+    _loss(net, 0).backward()
+    optimizer_step(net, opt, OPTIM.grad_clip)
+    saved = opt.state_dict()
+    ref = build_optimizer(_net(), OPTIM)
+    assert saved["param_groups"][0].keys() == ref.state_dict()["param_groups"][0].keys()
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in saved["state"].values())
+    saved = {
+        "state": {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()},
+        "param_groups": saved["param_groups"],
+    }
+    other = _net(1)
+    fresh = _master_adamw(other, torch.bfloat16)
+    fresh.load_state_dict(saved)
+    for p, q in zip(net.parameters(), other.parameters(), strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert fresh.state[q][key].dtype == torch.float32
+            assert torch.equal(fresh.state[q][key], opt.state[p][key]), key
+
+
+def test_refuses_low_precision_parameters():
+    net = _net().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="build it on fp32 parameters"):
+        MasterAdamW(param_groups(net, OPTIM), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def test_auto_picks_single_only_for_one_cuda_device():
+    from types import SimpleNamespace
+
+    from sftflow.tasks.train.worker import resolve_parallel
+
+    env = partial(SimpleNamespace)
+    assert resolve_parallel("auto", env(world_size=1, device=torch.device("cuda"))) == "single"
+    assert resolve_parallel("auto", env(world_size=2, device=torch.device("cuda"))) == "fsdp"
+    assert resolve_parallel("auto", env(world_size=1, device=torch.device("cpu"))) == "fsdp"
+    assert resolve_parallel("single", env(world_size=1, device=torch.device("cpu"))) == "single"
+    with pytest.raises(ValueError, match="one process"):
+        resolve_parallel("single", env(world_size=2, device=torch.device("cpu")))
