@@ -113,11 +113,14 @@ def _loss_and_grads(
     ce_step,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     V = weight_VD.shape[0]
     loss_dtype = torch.promote_types(hidden_TD.dtype, torch.float32)
     grad_hidden = torch.zeros_like(hidden_TD, memory_format=torch.contiguous_format) if need_grad_hidden else None
-    rows = (labels_T != ignore_index).nonzero().squeeze(1)
+    checked = rows is not None  # the caller found the rows (and checked their labels) on the host
+    if rows is None:
+        rows = (labels_T != ignore_index).nonzero().squeeze(1)  # a host sync: nonzero's size lives on the device
     if rows.numel() == 0:
         return (
             torch.zeros((), dtype=loss_dtype, device=hidden_TD.device),
@@ -127,7 +130,7 @@ def _loss_and_grads(
     # The first chunk's matmul writes grad_weight (no zero fill, no read of zeros): 1 GB less traffic at V=128k.
     grad_weight = torch.empty_like(weight_VD) if need_grad_weight else None
     targets = labels_T.index_select(0, rows)
-    if bool(((targets < 0) | (targets >= V)).any()):
+    if not checked and bool(((targets < 0) | (targets >= V)).any()):
         bad = targets[(targets < 0) | (targets >= V)][0].item()
         raise ValueError(f"labels: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
     # Each chunk writes its rows' losses here, summed once at the end: no per-chunk reduction kernels.
@@ -156,9 +159,9 @@ def _loss_and_grads(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, backend, need_h, need_w):
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, backend, need_h, need_w, rows):
         loss, grad_hidden, grad_weight = _loss_and_grads(
-            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, CE_STEPS[backend], need_h, need_w
+            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, CE_STEPS[backend], need_h, need_w, rows
         )
         ctx.grads = (grad_hidden, grad_weight)
         ctx.scale = SCALES[backend]
@@ -171,7 +174,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 ctx.scale(grad, grad_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -182,12 +185,18 @@ def linear_cross_entropy(
     *,
     chunk_rows: int | None = None,
     backend: str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over trained tokens of cross_entropy(hidden @ weight^T, labels); an fp32 scalar, differentiable.
 
     `hidden_TD` is (..., D) and `labels_T` the matching (...) int tensor with `ignore_index` for untrained tokens.
     With no trained token the result is a zero still connected to the graph (its gradients are zeros).
     `backend` overrides the dispatch (and the SFTFLOW_CROSS_ENTROPY variable); `chunk_rows` the chunk size.
+
+    `rows`: the flat indices of the trained tokens (int64, on the device), if the caller has them. Finding them here
+    (`nonzero`) and checking their labels are in [0, V) are both host syncs, which stop the host from queueing work
+    ahead of the GPU for the rest of the step; a training loop that collates on the host knows both already
+    (`sftflow.tasks.train.model.model_batch`). Given `rows`, the labels at them must be valid.
     """
     if hidden_TD.shape[:-1] != labels_T.shape:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} does not match hidden {tuple(hidden_TD.shape)}")
@@ -197,6 +206,8 @@ def linear_cross_entropy(
         backend = select_backend(hidden_TD.device, hidden_TD.dtype).name
     elif backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a {KERNEL} backend; expected one of {sorted(BACKENDS)}")
+    if rows is not None and (rows.ndim != 1 or rows.dtype != torch.int64 or rows.device != hidden_TD.device):
+        raise ValueError(f"rows must be a 1-D int64 tensor on {hidden_TD.device}, got {rows.dtype} {tuple(rows.shape)}")
     D = hidden_TD.shape[-1]
     grad_on = torch.is_grad_enabled()
     loss = _LinearCrossEntropy.apply(
@@ -208,5 +219,6 @@ def linear_cross_entropy(
         backend,
         grad_on and hidden_TD.requires_grad,
         grad_on and weight_VD.requires_grad,
+        rows,
     )
     return loss

@@ -25,6 +25,7 @@ from torch import nn
 
 from sftflow.kernels.attention import varlen_attention
 from sftflow.kernels.cross_entropy import linear_cross_entropy
+from sftflow.tasks.train.collate import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,11 @@ class CausalLMLoss(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self.vocab_size = lm.get_output_embeddings().weight.shape[0]
 
-    def forward(self, input_ids, position_ids, labels, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    def forward(
+        self, input_ids, position_ids, labels, attention_mask=None, cu_seqlens=None, max_seqlen=None, loss_rows=None
+    ):
         attn_kwargs = {}
         if cu_seqlens is not None:
             attn_kwargs = dict(
@@ -144,13 +148,27 @@ class CausalLMLoss(nn.Module):
             **attn_kwargs,
         )
         weight = self.lm.get_output_embeddings().weight
-        return linear_cross_entropy(out.last_hidden_state, weight, labels)
+        return linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
 
 
-def model_batch(batch: dict, device: torch.device) -> dict:
-    """The tensors `CausalLMLoss.forward` takes, moved to `device` (`max_seqlen` stays a Python int)."""
+def model_batch(batch: dict, device: torch.device, vocab_size: int | None = None) -> dict:
+    """The tensors `CausalLMLoss.forward` takes, moved to `device` without a host sync.
+
+    `max_seqlen` stays a Python int, and `loss_rows` (the flat positions with a target) is found here on the CPU, with
+    the targets checked against `vocab_size`: on the device both would be host syncs in the loss. On CUDA the tensors
+    are pinned first, so their copies are queued behind the device's work instead of waiting for it.
+    """
     keys = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens")
-    out = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
+    labels = batch["labels"].reshape(-1)
+    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    if vocab_size is not None and rows.numel():
+        targets = labels[rows]
+        bad = targets[(targets < 0) | (targets >= vocab_size)]
+        if bad.numel():
+            raise ValueError(f"labels: value {int(bad[0])} is outside [0, {vocab_size}) and is not {IGNORE_INDEX}")
+    host = {k: batch[k] for k in keys if k in batch} | {"loss_rows": rows}
+    pin = device.type == "cuda"
+    out = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
     if "cu_seqlens" in batch:
         out["max_seqlen"] = int(batch["max_seqlen"])
     return out

@@ -101,13 +101,17 @@ def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: 
     """
     loss_total = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device: no sync per batch
     counts = torch.zeros(3, dtype=torch.float64)
+    vocab_size = getattr(model, "vocab_size", None)
     for batch in batches:
-        loss_sum = model(**model_batch(batch, device))
+        loss_sum = model(**model_batch(batch, device, vocab_size))
         (loss_sum / step_loss_tokens).backward()
         loss_total += loss_sum.detach()
         lengths = batch["doc_lengths"].double()
         counts += torch.stack([torch.tensor(float(batch["num_loss_tokens"])), lengths.sum(), (lengths**2).sum()])
-    return torch.cat([loss_total.reshape(1), counts.to(device)])
+    # Pinned and non-blocking: a plain copy to the GPU would wait for the whole backward before the optimizer is
+    # queued, and the GPU would idle while the host queues it.
+    counts = counts.pin_memory() if device.type == "cuda" else counts
+    return torch.cat([loss_total.reshape(1), counts.to(device, non_blocking=True)])
 
 
 def gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -66,6 +66,22 @@ def test_matches_float64_oracle(backend, T, V, mask_fraction, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_fraction", [0.0, 0.5, 1.0])
+def test_rows_given_by_the_caller_give_the_same_loss_and_grads(backend, mask_fraction, device):
+    """`rows` (the trained positions, found on the host by the training loop) replaces the nonzero sync."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 33, 16, generator=g).to(device).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(device).requires_grad_()
+    labels = make_labels(66, 50, mask_fraction, g, device).reshape(2, 33)
+    results = []
+    for rows in (None, (labels.reshape(-1) != -100).nonzero().squeeze(1)):
+        loss = linear_cross_entropy(hidden, weight, labels, backend=backend, chunk_rows=16, rows=rows)
+        results.append((loss.detach(), *torch.autograd.grad(loss, (hidden, weight))))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_weights_and_grad_scaling(backend, device):
     """The LM head is the embedding table: its gradient sums both uses; an upstream scale reaches both grads."""
     g = torch.Generator().manual_seed(7)
@@ -116,6 +132,8 @@ def test_bad_inputs_are_value_errors():
         linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="not a cross_entropy backend"):
         linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4]), backend="cuda-magic")
+    with pytest.raises(ValueError, match="rows must be a 1-D int64"):
+        linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4]), rows=torch.tensor([0, 1], dtype=torch.int32))
 
 
 def test_dispatch_env_override_and_logging(monkeypatch, caplog):

@@ -65,6 +65,17 @@ def test_padded_mode_gives_the_same_loss_as_packed_rows():
     torch.testing.assert_close(padded, packed, rtol=1e-5, atol=1e-6)
 
 
+def test_model_batch_finds_the_trained_rows_and_checks_their_labels_on_the_host():
+    for collator in (packed_collator(), padded_collator()):
+        batch = collate(_docs([7, 3, 12]), collator)
+        moved = model_batch(batch, CPU, vocab_size=100)
+        flat = batch["labels"].reshape(-1)
+        assert torch.equal(moved["loss_rows"], (flat != -100).nonzero().squeeze(1))
+        assert moved["loss_rows"].numel() == batch["num_loss_tokens"]
+    with pytest.raises(ValueError, match=r"labels: value \d+ is outside \[0, 10\)"):
+        model_batch(batch, CPU, vocab_size=10)
+
+
 def test_all_masked_micro_batch_is_a_graph_connected_zero():
     model = _model(packed=True)
     ids = np.arange(6)
