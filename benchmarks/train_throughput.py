@@ -22,11 +22,13 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
 - **D** (sftflow): the worker's own step, imported, not copied: `build_model`, the worker's default `compile="auto"`
   (on CUDA: each decoder layer's forward through `torch.compile(dynamic=True)`, sftflow's attention under
-  `torch.compiler.disable`, RoPE in the projections' layout), `shard_model`, `build_optimizer` and
+  `torch.compiler.disable`, RoPE in the projections' layout), the worker's default `parallel="auto"` (`parallelize`:
+  on one GPU, no FSDP: bf16 parameters and `MasterAdamW` with fp32 masters) and
   `sftflow.tasks.train.worker.train_step` (`RankBatches` rows through the collators; `CausalLMLoss`: sftflow varlen
-  attention + fused linear CE, loss / the plan's step trained-token count; clip folded into the fused AdamW; one
-  host sync for the step's statistics), then the scheduler and `MetricsLogger`.
+  attention + fused linear CE, loss / the plan's step trained-token count; clip folded into the optimizer kernel;
+  one host sync for the step's statistics), then the scheduler and `MetricsLogger`.
 - **De**: D with `compile="off"` (eager), to show what compilation buys.
+- **Df**: D with `parallel="fsdp"` (FSDP2 at world size 1 and torch's fused AdamW, D before the one-device path).
 
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
@@ -86,7 +88,7 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
-MODES = ("A", "B", "C", "D", "De")
+MODES = ("A", "B", "C", "D", "De", "Df")
 BASELINE_ATTENTION = "bench_torch_varlen"
 
 
@@ -381,14 +383,17 @@ class Bench:
             return AutoModelForCausalLM.from_config(self.lm_config, attn_implementation=attn).to(torch.float32)
 
     def optimizer(self, model):
-        from sftflow.tasks.train.worker import build_optimizer, lr_factor
+        from sftflow.tasks.train.worker import build_optimizer
 
         optimizer = build_optimizer(model, self.optim_c)
+        return optimizer, self.scheduler(optimizer)
+
+    def scheduler(self, optimizer):
         from sftflow.tasks.train import config as cfg
+        from sftflow.tasks.train.worker import lr_factor
 
         schedule = cfg.schedule_config(self.train_config, self.args.warmup + self.args.steps + 64)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule))
-        return optimizer, scheduler
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule))
 
     def timed(self, name: str, step_fn, warmup: int, steps: int, extra: dict) -> dict:
         """Run `warmup + steps` steps (`step_fn(i) -> (tokens, sum_sq_doc_lengths)`), synchronised timing."""
@@ -529,19 +534,18 @@ class Bench:
         return result
 
     # -- D / De -------------------------------------------------------------------------------------------------------
-    def mode_d(self, name: str, profile_dir: Path | None, compile_mode: str = "auto") -> dict:
-        """The worker's step: `build_model`, the worker's `compile` setting, `shard_model`, `build_optimizer`, and
+    def mode_d(self, name: str, profile_dir: Path | None, compile_mode: str = "auto", parallel: str = "auto") -> dict:
+        """The worker's step: `build_model`, the worker's `compile` and `parallel` settings (`parallelize`), and
         `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
-        worker's loop runs them. `De` is the same with `compile="off"` (eager)."""
+        worker's loop runs them. `De` is the same with `compile="off"` (eager), `Df` with `parallel="fsdp"`."""
         from transformers.models.llama import modeling_llama
 
         from sftflow.tasks.train import config as cfg
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.data import RankBatches
-        from sftflow.tasks.train.fsdp import shard_model
         from sftflow.tasks.train.metrics import MetricsLogger
         from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
-        from sftflow.tasks.train.worker import Prefetch, train_step
+        from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, train_step
 
         args, env, plan = self.args, self.env, self.plan
         compiled = resolve_compile(compile_mode, env.device)
@@ -553,8 +557,9 @@ class Bench:
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm))
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
-        model = shard_model(lm, env, self.param_dtype)
-        optimizer, scheduler = self.optimizer(model)
+        parallel = resolve_parallel(parallel, env)
+        model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c)
+        scheduler = self.scheduler(optimizer)
         _, n_dense = count_params(lm)
         metrics_path = Path(args.tmp) / f"metrics-{name}.jsonl"
         metrics = MetricsLogger(
@@ -619,7 +624,7 @@ class Bench:
         dtype = self.param_dtype
         extra = {
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
-            f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}"
+            f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}"
             + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
         }
         try:
@@ -643,8 +648,36 @@ class Bench:
             modeling_llama.apply_rotary_pos_emb = original_rope
 
 
+def device_gaps(events, top: int = 12) -> tuple[float, float, list[dict]]:
+    """From the profiler's events: device busy time (the union of kernel and memcpy intervals, user annotations
+    left out), device idle time between the first and last kernel, and the longest idle gaps with the kernels on
+    either side (where the host kept the device waiting)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
+    if not spans:
+        return 0.0, 0.0, []
+    busy = idle = 0.0
+    gaps = []
+    start, end, name = spans[0]
+    for s, e, n in spans[1:]:
+        if s > end:
+            busy += end - start
+            idle += s - end
+            gaps.append({"ms": (s - end) / 1e3, "after": name[:80], "before": n[:80]})
+            start = s
+        if e > end:
+            end, name = e, n
+    busy += end - start
+    gaps.sort(key=lambda g: -g["ms"])
+    return busy / 1e3, idle / 1e3, gaps[:top]
+
+
 def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
-    """torch.profiler over a few steps: the top kernels by device time, and device busy time over wall time."""
+    """torch.profiler over a few steps: the top kernels by device time, device busy and idle time, the longest idle
+    gaps, and device time per kernel group."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -661,9 +694,8 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
     kernels = []
     for event in averages:  # device-side events only (kernels, memcpys): operator rows repeat their kernels' time
         t = getattr(event, "self_device_time_total", 0) or 0
-        if t > 0 and event.device_type != torch.autograd.DeviceType.CPU:
+        if t > 0 and event.device_type != torch.autograd.DeviceType.CPU and not event.is_user_annotation:
             kernels.append((event.key, t / 1e3))
-    busy_ms = sum(t for _, t in kernels)
     groups: dict[str, float] = {}
     for key, t in kernels:
         k = key.lower()
@@ -677,19 +709,22 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
             group = "cross-entropy / softmax"
         elif "triton_" in k and "fused" in k:
             group = "inductor fused (compiled layers)"
-        elif "triton" in k:
-            group = "other triton"
         elif "adam" in k or "foreach" in k or "multi_tensor" in k:
             group = "optimizer / foreach"
+        elif "triton" in k:
+            group = "other triton"
         else:
             group = "other kernels"
         groups[group] = groups.get(group, 0.0) + t
     n = len(steps)
+    busy_ms, idle_ms, gaps = device_gaps(prof.events()) if device.type == "cuda" else (0.0, 0.0, [])
     summary = {
         "steps": n,
         "wall_ms_per_step": 1e3 * wall / n,
         "device_busy_ms_per_step": busy_ms / n,
+        "device_idle_ms_per_step": idle_ms / n,
         "groups_ms_per_step": {k: round(v / n, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "longest_idle_gaps": gaps,
     }
     path.write_text(json.dumps(summary, indent=2) + "\n\n" + table + "\n")
     print(f"[profile] {json.dumps(summary)}", flush=True)
@@ -969,6 +1004,7 @@ def main(argv=None) -> dict:
             "C": partial(bench.mode_bc, compiled=True),
             "D": partial(bench.mode_d, "D", out),
             "De": partial(bench.mode_d, "De", out, compile_mode="off"),
+            "Df": partial(bench.mode_d, "Df", out, parallel="fsdp"),
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:
