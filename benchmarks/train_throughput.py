@@ -545,7 +545,7 @@ class Bench:
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
         from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
-        from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, train_step
+        from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, stage_inputs, train_step
 
         args, env, plan = self.args, self.env, self.plan
         compiled = resolve_compile(compile_mode, env.device)
@@ -582,7 +582,8 @@ class Bench:
             timings.setdefault(key, []).append(now - t0)
             return now
 
-        prefetch = Prefetch(batches, plan, plan.num_steps)
+        stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
+        prefetch = Prefetch(batches, plan, plan.num_steps, stage=stage)
 
         def step(s, breakdown=False):
             # -- the worker's loop body (skip/NaN branches elided: never taken here) --

@@ -103,7 +103,8 @@ def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: 
     counts = torch.zeros(3, dtype=torch.float64)
     vocab_size = getattr(model, "vocab_size", None)
     for batch in batches:
-        loss_sum = model(**model_batch(batch, device, vocab_size))
+        inputs = batch.get("device_inputs") or model_batch(batch, device, vocab_size)  # staged ahead by Prefetch
+        loss_sum = model(**inputs)
         (loss_sum / step_loss_tokens).backward()
         loss_total += loss_sum.detach()
         lengths = batch["doc_lengths"].double()
@@ -177,9 +178,10 @@ def train_step(
     norm = optimizer_step(model, optimizer, max_norm)
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(local)
+    totals = torch.cat([local, norm.double().reshape(1)])  # queued before the host work: the device need not wait
     if host_work is not None:
         host_work()
-    loss_sum, targets, tokens, sum_sq, norm_value = torch.cat([local, norm.double().reshape(1)]).tolist()
+    loss_sum, targets, tokens, sum_sq, norm_value = totals.tolist()
     return StepTotals(
         loss_sum=loss_sum, targets=int(targets), tokens=int(tokens), sum_sq_doc_lengths=sum_sq, grad_norm=norm_value
     )
@@ -189,26 +191,39 @@ class Prefetch:
     """One step's collated micro-batches, made ahead: `train_step` collates step s + 1 (`collate`, as its host work)
     while the device runs step s, and the loop `take`s them. A step not collated ahead (the first, or one after a
     skipped step) is collated when taken. An error while collating ahead is raised when that step is taken, so it
-    belongs to its own step (step s still finishes, logs and checkpoints)."""
+    belongs to its own step (step s still finishes, logs and checkpoints).
 
-    def __init__(self, batches, plan, total_steps: int):
-        self.batches, self.plan, self.total_steps = batches, plan, total_steps
+    With `stage` (`stage_inputs`), each micro-batch also gets its model inputs as `device_inputs`: found, pinned and
+    copied to the device while step s still runs there (the copies queue behind its optimizer), so step s + 1's
+    forward is launched without host work before it."""
+
+    def __init__(self, batches, plan, total_steps: int, stage=None):
+        self.batches, self.plan, self.total_steps, self.stage = batches, plan, total_steps, stage
         self.ready: tuple[int, list[dict] | Exception] | None = None
+
+    def _make(self, step: int) -> list[dict]:
+        made = self.batches(step)
+        return made if self.stage is None else self.stage(made)
 
     def collate(self, step: int) -> None:
         if step < self.total_steps and int(self.plan.step_loss_tokens[step]) > 0:
             try:
-                self.ready = (step, self.batches(step))
+                self.ready = (step, self._make(step))
             except Exception as err:  # noqa: BLE001 - kept for its own step, see the class docstring
                 self.ready = (step, err)
 
     def take(self, step: int) -> list[dict]:
         ready, self.ready = self.ready, None
         if ready is None or ready[0] != step:
-            return self.batches(step)
+            return self._make(step)
         if isinstance(ready[1], Exception):
             raise ready[1]
         return ready[1]
+
+
+def stage_inputs(batches: list[dict], device: torch.device, vocab_size: int | None) -> list[dict]:
+    """`batches` with each micro-batch's model inputs on `device` (`model_batch`) as `device_inputs`."""
+    return [{**batch, "device_inputs": model_batch(batch, device, vocab_size)} for batch in batches]
 
 
 def save_full_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, env: DistEnv) -> None:
@@ -306,7 +321,8 @@ def train(run_dir: Path) -> None:
 
     nonfinite_in_a_row = 0
     maybe_crash = fault_hook(run_dir, env)
-    prefetch = Prefetch(batches, plan, total_steps)
+    stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
+    prefetch = Prefetch(batches, plan, total_steps, stage=stage)
     for step in range(progress.step, total_steps):
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])

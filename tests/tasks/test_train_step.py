@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import types
+from functools import partial
 
 import numpy as np
 import pytest
@@ -225,6 +226,29 @@ def test_prefetch_collates_the_next_step_and_defers_its_errors():
     assert prefetch.take(2) == [{"step": 2}]  # a different step than the one made ahead: collated now
     prefetch.collate(5)  # past the last step: nothing
     assert prefetch.ready is None
+
+
+def test_prefetch_stages_the_model_inputs_with_the_batches(gloo_world_of_one):
+    """With `stage`, the micro-batches made ahead carry their model inputs, and the step trains on them exactly as
+    on inputs made at the step."""
+    from sftflow.tasks.train import worker
+
+    docs = [(np.arange(9) % 100, np.array([[3, 9]], dtype=np.int32)), (np.arange(5) + 7, np.array([[0, 5]]))]
+    plan = types.SimpleNamespace(step_loss_tokens=np.array([10, 10]))
+    stage = partial(worker.stage_inputs, device=CPU, vocab_size=100)
+    prefetch = worker.Prefetch(lambda step: [collate(docs, packed_collator())], plan, total_steps=2, stage=stage)
+    prefetch.collate(1)
+    staged = prefetch.take(1)
+    assert set(staged[0]["device_inputs"]) >= {"input_ids", "labels", "loss_rows", "cu_seqlens", "max_seqlen"}
+    totals = []
+    for batches in (staged, [collate(docs, packed_collator())]):
+        torch.manual_seed(0)
+        model = CausalLMLoss(build_model("tiny-llama", vocab_size=100, packed=True))
+        opt = build_optimizer(model, OPTIM)
+        totals.append(worker.train_step(model, opt, batches, 10, 1.0, CPU))
+        totals.append([p.detach().clone() for p in model.parameters()])
+    assert totals[0] == totals[2]
+    assert all(torch.equal(a, b) for a, b in zip(totals[1], totals[3], strict=True))
 
 
 @pytest.fixture
