@@ -1,7 +1,8 @@
 """The training worker: `torchrun ... -m sftflow.tasks.train.worker RUN_DIR`.
 
-Reads `RUN_DIR/run.json` (written by `sftflow.tasks.train.launch`), trains the plan's steps with FSDP2, writes
-`metrics.jsonl`, DCP checkpoints and the Hugging Face export. Same code on CPU (gloo, fp32) and CUDA (NCCL, bf16).
+Reads `RUN_DIR/run.json` (written by `sftflow.tasks.train.launch`), trains the plan's steps with FSDP2 (or, on one
+GPU, without sharding: `sftflow.tasks.train.single_device`), writes `metrics.jsonl`, DCP checkpoints and the Hugging
+Face export. Same code on CPU (gloo, fp32) and CUDA (NCCL, bf16).
 
 Loss normalisation. Step `s` of the plan trains `step_loss_tokens[s]` targets over all its micro-batches and ranks,
 known before training. Each micro-batch backpropagates `sum of its token losses / step_loss_tokens[s]`, and FSDP
