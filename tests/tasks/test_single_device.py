@@ -3,6 +3,7 @@ gradients, the same update as the FSDP path's fused AdamW, and a state dict in t
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from functools import partial
@@ -140,3 +141,35 @@ def test_auto_picks_single_only_for_one_cuda_device():
     assert resolve_parallel("single", env(world_size=1, device=torch.device("cpu"))) == "single"
     with pytest.raises(ValueError, match="one process"):
         resolve_parallel("single", env(world_size=2, device=torch.device("cpu")))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_training_follows_fp32_masters_with_a_bf16_copy(device):
+    """30 steps of a bf16 model: `MasterAdamW` (the Triton kernel on CUDA) against the textbook mixed-precision
+    loop, torch's fused AdamW on separate fp32 masters and a fresh bf16 copy of them for each step's forward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
+    masters = copy.deepcopy(net)
+    compute = copy.deepcopy(net).to(torch.bfloat16)
+    opt, ref_opt = _master_adamw(net, torch.bfloat16), build_optimizer(masters, OPTIM)
+    for step in range(30):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
+        loss = net(x).float().square().mean()
+        loss.backward()
+        optimizer_step(net, opt, OPTIM.grad_clip)
+        opt.zero_grad()
+        ref_loss = compute(x).float().square().mean()
+        ref_loss.backward()
+        for m, c in zip(masters.parameters(), compute.parameters(), strict=True):
+            m.grad, c.grad = c.grad.float(), None
+        optimizer_step(masters, ref_opt, OPTIM.grad_clip)
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for m, c in zip(masters.parameters(), compute.parameters(), strict=True):
+                c.copy_(m)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-6)
+    for p, m in zip(net.parameters(), masters.parameters(), strict=True):
+        torch.testing.assert_close(opt.master(p), m.detach(), rtol=1e-5, atol=1e-6)
