@@ -136,8 +136,10 @@ def mask_doc_boundaries(batch: Batch) -> Batch:
 
 
 def count_loss_tokens(batch: Batch) -> Batch:
-    """`num_loss_tokens`: the number of positions with a target (a Python int)."""
-    return {**batch, "num_loss_tokens": int((batch["labels"] != IGNORE_INDEX).sum())}
+    """`loss_rows`: the flat positions (into `labels.reshape(-1)`) that have a target, int64; `num_loss_tokens`: how
+    many (a Python int). Found here, on the CPU, so the loss need not look for them on the device (a host sync)."""
+    rows = (batch["labels"].reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return {**batch, "loss_rows": rows, "num_loss_tokens": int(rows.numel())}
 
 
 def drop_keys(batch: Batch, *, keys: Sequence[str] = ("docs", "loss_mask")) -> Batch:
@@ -206,7 +208,7 @@ def mask_padding(batch: Batch) -> Batch:
 
 
 def packed_collator(pad_id: int = 0) -> list[CollateFn]:
-    """Packed row `(1, T)` with `input_ids, position_ids, cu_seqlens, max_seqlen, labels, doc_lengths,
+    """Packed row `(1, T)` with `input_ids, position_ids, cu_seqlens, max_seqlen, labels, doc_lengths, loss_rows,
     num_loss_tokens`."""
     return [
         partial(pack_docs, pad_id=pad_id),
@@ -220,7 +222,7 @@ def packed_collator(pad_id: int = 0) -> list[CollateFn]:
 
 
 def padded_collator(pad_id: int = 0) -> list[CollateFn]:
-    """Padded micro-batch `(B, Lmax)` with `input_ids, attention_mask, position_ids, labels, doc_lengths,
+    """Padded micro-batch `(B, Lmax)` with `input_ids, attention_mask, position_ids, labels, doc_lengths, loss_rows,
     num_loss_tokens`."""
     return [
         partial(pad_docs, pad_id=pad_id),

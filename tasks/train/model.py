@@ -154,21 +154,19 @@ class CausalLMLoss(nn.Module):
 def model_batch(batch: dict, device: torch.device, vocab_size: int | None = None) -> dict:
     """The tensors `CausalLMLoss.forward` takes, moved to `device` without a host sync.
 
-    `max_seqlen` stays a Python int, and `loss_rows` (the flat positions with a target) is found here on the CPU, with
-    the targets checked against `vocab_size`: on the device both would be host syncs in the loss. On CUDA the tensors
-    are pinned first, so their copies are queued behind the device's work instead of waiting for it.
+    `max_seqlen` stays a Python int, and `loss_rows` (the flat positions with a target, found by the collator) come
+    with the batch, their targets checked against `vocab_size` here on the CPU: on the device both would be host
+    syncs in the loss. On CUDA the tensors are pinned first, so their copies queue behind the device's work instead
+    of waiting for it.
     """
-    keys = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens")
-    labels = batch["labels"].reshape(-1)
-    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
-    if vocab_size is not None and rows.numel():
-        targets = labels[rows]
+    keys = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens", "loss_rows")
+    if vocab_size is not None and batch["loss_rows"].numel():
+        targets = batch["labels"].reshape(-1)[batch["loss_rows"]]
         bad = targets[(targets < 0) | (targets >= vocab_size)]
         if bad.numel():
             raise ValueError(f"labels: value {int(bad[0])} is outside [0, {vocab_size}) and is not {IGNORE_INDEX}")
-    host = {k: batch[k] for k in keys if k in batch} | {"loss_rows": rows}
     pin = device.type == "cuda"
-    out = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in host.items()}
+    out = {k: (batch[k].pin_memory() if pin else batch[k]).to(device, non_blocking=True) for k in keys if k in batch}
     if "cu_seqlens" in batch:
         out["max_seqlen"] = int(batch["max_seqlen"])
     return out
