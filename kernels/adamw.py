@@ -124,15 +124,12 @@ def adamw_master_step_reference(
     hyper: AdamWHyper,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
-    *,
-    advance_steps: bool = True,
 ) -> None:
-    """The update in plain PyTorch, fp32 math, one tensor at a time (the oracle; checks `found_inf` on the host)."""
+    """The update in plain PyTorch, fp32 math, one tensor at a time (the oracle; checks `found_inf` on the host).
+    Reads the step counters as already advanced (`advance_steps_`), as the Triton kernel does."""
     if found_inf is not None and bool(found_inf.item()):
         return
     for t in tensors:
-        if advance_steps:
-            t.step.add_(1)
         g = t.grad.float()
         if grad_scale is not None:
             g = g / grad_scale
@@ -158,8 +155,9 @@ def adamw_master_step_(
     *,
     advance_steps: bool = True,
     check: bool = True,
+    backend: str | None = None,
 ) -> None:
-    """One AdamW step over `tensors` in place (see the module docstring), on the dispatched backend.
+    """One AdamW step over `tensors` in place (see the module docstring), on the dispatched backend (or `backend`).
 
     `advance_steps=False`: the caller has advanced the step counters already (`advance_steps_`, once for all its
     parameter groups). `check=False`: the caller has checked the tensors' dtypes, shapes and layouts (per-tensor
@@ -169,12 +167,15 @@ def adamw_master_step_(
     if check:
         for t in tensors:
             _check(t)
-    first = tensors[0]
-    if select_backend(first.param.device, first.param.dtype).name == "reference":
-        adamw_master_step_reference(tensors, hyper, grad_scale, found_inf, advance_steps=advance_steps)
+    if backend is None:
+        backend = select_backend(tensors[0].param.device, tensors[0].param.dtype).name
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not an {KERNEL} backend; expected one of {sorted(BACKENDS)}")
+    if advance_steps:
+        advance_steps_([t.step for t in tensors], found_inf)
+    if backend == "reference":
+        adamw_master_step_reference(tensors, hyper, grad_scale, found_inf)
         return
     from sftflow.kernels.adamw_triton import adamw_master_step_triton_
 
-    if advance_steps:
-        advance_steps_([t.step for t in tensors], found_inf)
     adamw_master_step_triton_(tensors, hyper, grad_scale, found_inf)

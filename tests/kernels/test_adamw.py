@@ -5,6 +5,7 @@ low bits) and fp32 parameters, clipping and the non-finite skip."""
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from sftflow.kernels.adamw import (
     AdamWHyper,
     MasterTensors,
     adamw_master_step_,
-    adamw_master_step_reference,
     join_master,
     split_master,
 )
+
+REFERENCE = partial(adamw_master_step_, backend="reference")
+TRITON = partial(adamw_master_step_, backend="triton")
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 HYPER = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -73,7 +76,7 @@ def test_reference_is_torch_adamw(shape):
         p.grad = grad / (1 if scale is None else scale)
         opt.step()
         s = None if scale is None else torch.tensor(scale)
-        adamw_master_step_reference([MasterTensors(t.param, grad, None, t.exp_avg, t.exp_avg_sq, t.step)], HYPER, s)
+        REFERENCE([MasterTensors(t.param, grad, None, t.exp_avg, t.exp_avg_sq, t.step)], HYPER, s)
     torch.testing.assert_close(t.param, p.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(t.exp_avg_sq, opt.state[p]["exp_avg_sq"], rtol=1e-6, atol=0)
     assert float(t.step) == 3.0
@@ -81,14 +84,12 @@ def test_reference_is_torch_adamw(shape):
 
 def test_reference_split_master_follows_the_fp32_trajectory():
     """bf16 parameter + low bits: the joined master is the fp32 run's parameter, bit for bit."""
-    fp32 = _run(adamw_master_step_reference, 4097, False, "cpu", [None, 2.0, 1.0], [None, 0.0, 0.0])
+    fp32 = _run(REFERENCE, 4097, False, "cpu", [None, 2.0, 1.0], [None, 0.0, 0.0])
     split = _state(4097, True, "cpu", 0)
     grads = _grads(4097, torch.float32, "cpu", 3, 0)
     for grad, scale in zip(grads, (None, 2.0, 1.0), strict=True):
         s = None if scale is None else torch.tensor(scale)
-        adamw_master_step_reference(
-            [MasterTensors(split.param, grad, split.low, split.exp_avg, split.exp_avg_sq, split.step)], HYPER, s
-        )
+        REFERENCE([MasterTensors(split.param, grad, split.low, split.exp_avg, split.exp_avg_sq, split.step)], HYPER, s)
     assert torch.equal(join_master(split.param, split.low), fp32.param)
     assert torch.equal(split.param, split_master(fp32.param)[0])
 
@@ -96,11 +97,10 @@ def test_reference_split_master_follows_the_fp32_trajectory():
 @needs_triton
 @pytest.mark.parametrize("split", [True, False], ids=["bf16-split", "fp32"])
 @pytest.mark.parametrize("shape", SIZES)
-def test_triton_matches_reference(shape, split, device, monkeypatch):
-    monkeypatch.setenv("SFTFLOW_ADAMW", "triton")
+def test_triton_matches_reference(shape, split, device):
     scales, infs = [None, 3.0, 2.0, 1.0], [None, 0.0, 1.0, 0.0]  # the third step is skipped
-    want = _run(adamw_master_step_reference, shape, split, device, scales, infs)
-    got = _run(adamw_master_step_, shape, split, device, scales, infs)
+    want = _run(REFERENCE, shape, split, device, scales, infs)
+    got = _run(TRITON, shape, split, device, scales, infs)
     assert float(got.step) == float(want.step) == 3.0
     for name in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=2e-6, atol=1e-7, msg=name)
@@ -113,12 +113,11 @@ def test_triton_matches_reference(shape, split, device, monkeypatch):
 
 
 @needs_triton
-def test_found_inf_leaves_everything_untouched(device, monkeypatch):
-    monkeypatch.setenv("SFTFLOW_ADAMW", "triton")
-    t = _run(adamw_master_step_, 4097, True, device, [None], [0.0])
+def test_found_inf_leaves_everything_untouched(device):
+    t = _run(TRITON, 4097, True, device, [None], [0.0])
     before = {k: getattr(t, k).clone() for k in ("param", "low", "exp_avg", "exp_avg_sq", "step")}
     grad = torch.full((4097,), float("nan"), device=device, dtype=torch.bfloat16)
-    adamw_master_step_(
+    TRITON(
         [MasterTensors(t.param, grad, t.low, t.exp_avg, t.exp_avg_sq, t.step)],
         HYPER,
         torch.tensor(2.0, device=device),
