@@ -116,7 +116,11 @@ def advance_steps_(steps: list[torch.Tensor], found_inf: torch.Tensor | None = N
     if found_inf is None:
         torch._foreach_add_(steps, 1.0)
     else:
-        torch._foreach_add_(steps, (1.0 - found_inf.float()).reshape(()))
+        # A list of 0-d tensors, not the 0-d tensor itself: given one tensor, `_foreach_add_` takes the Scalar
+        # overload, which reads it with `.item()`, a host sync that kept the optimizer from being queued until the
+        # whole backward had run on the GPU (issue #9).
+        increment = (1.0 - found_inf.float()).reshape(())
+        torch._foreach_add_(steps, [increment] * len(steps))
 
 
 def adamw_master_step_reference(

@@ -55,3 +55,39 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+class HostReads:
+    """Records each op that makes the host read a tensor's value (`.item()`, `bool(t)`, `float(t)`, a tensor taken
+    as a Python number by an op, `nonzero`): on a GPU each one waits for all work queued before it. A CPU test
+    catches them through the dispatcher, which is where such reads show up whatever the device."""
+
+    OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.reads = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func._schema.name in HostReads.OPS:
+                    import traceback
+
+                    reads.append(f"{func._schema.name} at {traceback.format_stack(limit=4)[0].strip()}")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self) -> list[str]:
+        self.mode.__enter__()
+        return self.reads
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
+@pytest.fixture
+def host_reads():
+    """`with host_reads() as reads: ...`, then `reads` lists the host reads of tensor values made inside."""
+    return HostReads

@@ -14,6 +14,7 @@ from sftflow.kernels.adamw import (
     AdamWHyper,
     MasterTensors,
     adamw_master_step_,
+    advance_steps_,
     join_master,
     split_master,
 )
@@ -138,3 +139,35 @@ def test_dispatch_checks_dtypes_and_shapes():
     bad = MasterTensors(t.param, torch.zeros(9), t.low, t.exp_avg, t.exp_avg_sq, t.step)
     with pytest.raises(ValueError, match="shapes differ"):
         adamw_master_step_([bad], HYPER)
+
+
+def test_advancing_the_step_counters_reads_nothing_on_the_host(host_reads):
+    """The counters advance on the device (by 0 when `found_inf` is set): a host read there was a sync that held the
+    optimizer back until the whole backward had run on the GPU."""
+    steps = [torch.zeros(()) for _ in range(3)]
+    with host_reads() as reads:
+        advance_steps_(steps, torch.zeros(1))
+        advance_steps_(steps, torch.ones(1))
+        advance_steps_(steps)
+    assert reads == []
+    assert [s.item() for s in steps] == [2.0, 2.0, 2.0]
+
+
+@needs_triton
+def test_master_adamw_step_reads_nothing_on_the_host(host_reads, monkeypatch, device):
+    from sftflow.tasks.train.single_device import MasterAdamW
+
+    monkeypatch.setenv("SFTFLOW_ADAMW", "triton")
+    model = torch.nn.Linear(16, 8, device=device)
+    optimizer = MasterAdamW(
+        [{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8
+    )
+    optimizer.cast_parameters(torch.bfloat16)
+    model(torch.randn(4, 16, dtype=torch.bfloat16, device=device)).square().sum().backward()
+    optimizer.found_inf = torch.zeros(1, device=device)
+    optimizer.grad_scale = torch.tensor(2.0, device=device)
+    before = model.weight.detach().clone()
+    with host_reads() as reads:
+        optimizer.step()
+    assert reads == []
+    assert not torch.equal(model.weight, before)
