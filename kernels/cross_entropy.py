@@ -4,7 +4,8 @@
 tokens (labels != ignore_index); the caller divides by the global trained-token count. It works like this::
 
     rows   = nonzero(labels != -100)                 compact: masked tokens cost no matmul
-    for each chunk of C trained rows:                peak extra memory ~ C x V logits (+ the two gradients)
+    for each chunk of C trained rows:                peak extra memory ~ C x V logits (+ the two gradients);
+                                                     the last chunk padded to a multiple of 64 rows (fixed shapes)
         logits_CV  = hidden[rows_C] @ weight^T       cuBLAS, fp32 accumulation, stored in the input dtype
         loss_C     = lse(logits) - logits[target]    one kernel reads the logits and overwrites them, in place,
         logits_CV <- softmax(logits) - onehot        with d loss / d logits (fp32 math)
@@ -33,6 +34,9 @@ ENV_VAR = "SFTFLOW_CROSS_ENTROPY"
 # One chunk's working rows take at most this many bytes: 128 MiB is 512 rows of logits at V=128256 in bf16, as
 # Liger's heuristic, so that our peak memory is never above Liger's.
 CHUNK_LOGITS_BYTES = 1 << 27
+# The last chunk of trained rows is padded to a multiple of this many rows, so its matmuls repeat shapes
+# (`padded_rows`).
+ROW_BUCKET = 64
 
 
 BACKENDS = dispatch.TRITON_OR_REFERENCE
@@ -104,6 +108,20 @@ def default_chunk_rows(vocab_size: int, dtype: torch.dtype, hidden_size: int = 0
     return rows if rows < 64 else rows // 16 * 16
 
 
+def padded_rows(n: int, chunk_rows: int) -> int:
+    """Trained rows `n` with the last chunk rounded up to a multiple of ROW_BUCKET rows (at most a full chunk).
+
+    Why: the number of trained tokens differs from step to step, so an unpadded last chunk gives its three matmuls a
+    new shape nearly every step. On an H200 each new cuBLAS shape cost ~2.5 ms of host time (the heuristic), and
+    the first use of a newly chosen kernel sometimes stalled the host until the GPU had drained its queue (~40 ms
+    of lead lost): the GPU then idled while the host caught up (issue #9). Padded, the last chunk takes one of
+    chunk_rows / ROW_BUCKET shapes, all seen within the first steps; it costs at most ROW_BUCKET - 1 rows of work."""
+    last = n % chunk_rows
+    if last == 0:
+        return n
+    return n - last + min(chunk_rows, -(-last // ROW_BUCKET) * ROW_BUCKET)
+
+
 def _loss_and_grads(
     hidden_TD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -133,28 +151,36 @@ def _loss_and_grads(
     if not checked and bool(((targets < 0) | (targets >= V)).any()):
         bad = targets[(targets < 0) | (targets >= V)][0].item()
         raise ValueError(f"labels: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
-    # Each chunk writes its rows' losses here, summed once at the end: no per-chunk reduction kernels.
-    loss_rows = torch.empty(rows.numel(), dtype=loss_dtype, device=hidden_TD.device)
-    all_trained = rows.numel() == hidden_TD.shape[0]  # then chunks are plain slices: no gather, no scatter
+    n = rows.numel()
+    all_trained = n == hidden_TD.shape[0]  # then chunks are plain slices: no gather, no scatter
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(V, hidden_TD.dtype, hidden_TD.shape[1], gathered=not all_trained)
-    for start in range(0, rows.numel(), chunk_rows):
+    padded = n if all_trained else padded_rows(n, chunk_rows)
+    if padded > n:  # pad rows: the first trained row again; their gradient rows are zeroed after the CE step
+        rows = torch.cat([rows, rows[:1].expand(padded - n)])
+        targets = torch.cat([targets, targets[:1].expand(padded - n)])
+    # Each chunk writes its rows' losses here, summed once at the end: no per-chunk reduction kernels.
+    loss_rows = torch.empty(padded, dtype=loss_dtype, device=hidden_TD.device)
+    for start in range(0, padded, chunk_rows):
         rows_C = rows[start : start + chunk_rows]
+        real = min(chunk_rows, n - start)  # the chunk's trained rows; the rest (last chunk only) are padding
         h_CD = hidden_TD[start : start + chunk_rows] if all_trained else hidden_TD.index_select(0, rows_C)
         logits_CV = h_CD @ weight_VD.T
         ce_step(logits_CV, targets[start : start + chunk_rows], loss_rows[start : start + chunk_rows])
+        if real < logits_CV.shape[0]:
+            logits_CV[real:].zero_()  # padding rows add nothing to grad_weight
         if grad_hidden is not None:
             if all_trained:
                 torch.mm(logits_CV, weight_VD, out=grad_hidden[start : start + chunk_rows])
             else:
-                grad_hidden.index_copy_(0, rows_C, logits_CV @ weight_VD)
+                grad_hidden.index_copy_(0, rows_C[:real], (logits_CV @ weight_VD)[:real])
         if grad_weight is not None:
             if start == 0:
                 torch.mm(logits_CV.T, h_CD, out=grad_weight)
             else:
                 grad_weight.addmm_(logits_CV.T, h_CD)
         del logits_CV, h_CD  # free this chunk's logits before the next chunk's matmul allocates its own
-    return loss_rows.sum(), grad_hidden, grad_weight
+    return loss_rows[:n].sum(), grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

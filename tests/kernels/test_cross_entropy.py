@@ -207,3 +207,38 @@ def test_scale_kernel_scales_in_fp32_and_skips_a_scale_of_one(dtype, device):
     assert torch.equal(x, (before.float() * s).to(dtype))
     scale_(x, torch.zeros((), device=device))
     assert torch.count_nonzero(x) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_last_chunk_is_padded_to_a_few_shapes_and_padding_changes_nothing(backend, device):
+    """The trained-row count varies per step; padded, the last chunk's matmuls take few shapes (so cuBLAS meets each
+    shape once, not once per step), and the padding rows change neither the loss nor a gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    T, V, D, chunk = 300, 40, 8, 200
+    logits_rows = set()
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::mm" and tuple(args[1].shape) == (D, V):  # hidden rows @ weight^T
+                logits_rows.add(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 63, 64, 65, 130, 199, 200, 201, 263, 299):  # (all T trained: plain slices of hidden)
+        hidden = torch.randn(T, D, generator=g).to(device).requires_grad_()
+        weight = torch.randn(V, D, generator=g).to(device).requires_grad_()
+        labels = torch.full((T,), -100)
+        trained = torch.randperm(T, generator=g)[:n]
+        labels[trained] = torch.randint(0, V, (n,), generator=g)
+        labels = labels.to(device)
+        with Shapes():
+            loss = linear_cross_entropy(hidden, weight, labels, backend=backend, chunk_rows=chunk)
+        loss.backward()
+        ref_loss, ref_gh, ref_gw = oracle(hidden, weight, labels)
+        assert rel_err(loss, ref_loss) <= 1e-5, n
+        assert rel_err(hidden.grad, ref_gh) <= 1e-5, n
+        assert rel_err(weight.grad, ref_gw) <= 1e-5, n
+        assert torch.count_nonzero(hidden.grad[labels == -100]) == 0, n  # nothing leaks into untrained rows
+    assert logits_rows == {64, 128, 192, 200}
+    assert [ce.padded_rows(n, 200) for n in (1, 64, 65, 199, 200, 201, 400)] == [64, 64, 128, 200, 200, 264, 400]
