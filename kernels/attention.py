@@ -121,7 +121,7 @@ def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     k = _expand_kv(k_TKD, group).transpose(0, 1)[None]
     v = _expand_kv(v_TKD, group).transpose(0, 1)[None]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1)
+    return o.squeeze(0).transpose(0, 1)  # a squeeze: its backward is a view (a select's copies into zeros)
 
 
 def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):

@@ -273,3 +273,40 @@ def test_train_step_runs_host_work_once_before_its_totals(gloo_world_of_one):
     totals = worker.train_step(model, opt, [batch], 6, 1.0, CPU, host_work=lambda: calls.append(opt.state != {}))
     assert calls == [True]  # once, after the optimizer step was issued
     assert totals.targets == 6 and totals.tokens == 9 and math.isfinite(totals.loss_sum)
+
+
+def test_packed_attention_backward_copies_no_input_gradient():
+    """Hugging Face hands the attention function (1, H, T, D) views. Taking `query[0]` is a select, whose backward
+    writes each gradient into a zero-filled buffer through a strided copy (q, k and v of every layer); a squeeze's
+    backward is a view."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sftflow.tasks.train.model import sftflow_varlen_attention
+
+    T, H, K, D = 12, 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, T, n, D, generator=g).requires_grad_() for n in (H, K, K))  # the projections' layout
+    cu = torch.tensor([0, 5, T], dtype=torch.int32)
+    out, _ = sftflow_varlen_attention(
+        SimpleNamespace(), *(x.transpose(1, 2) for x in (q, k, v)), None, cu_seq_lens_q=cu, max_length_q=7
+    )
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        out.square().sum().backward()
+    assert "aten::select_backward" not in ops
+    assert out.shape == (1, T, H, D) and all(x.grad.shape == x.shape for x in (q, k, v))
+    # document 1 never sees document 0: its queries' gradients do not reach document 0's keys and values
+    q.grad = k.grad = v.grad = None
+    out, _ = sftflow_varlen_attention(
+        SimpleNamespace(), *(x.transpose(1, 2) for x in (q, k, v)), None, cu_seq_lens_q=cu, max_length_q=7
+    )
+    out[:, 5:].sum().backward()
+    assert torch.count_nonzero(k.grad[:, :5]) == 0 and torch.count_nonzero(v.grad[:, :5]) == 0
