@@ -74,8 +74,10 @@ def main() -> None:
     parser.add_argument("--T", type=int, default=16384)
     parser.add_argument("--variants", nargs="+", default=["triton", "torch"])
     parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at every shape")
+    parser.add_argument("--shapes", default=None, help="H,K,D[;H,K,D...]: only these shapes (default: all four)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     T = args.T
     lengths = doc_lengths(T)
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device="cuda")
@@ -84,7 +86,7 @@ def main() -> None:
     rate = matmul_tflops()
     print(f"{len(lengths)} docs, max {max_len}, median {int(np.median(lengths))}; bf16 matmul {rate:.0f} TFLOP/s")
     rows = []
-    for H, K, D in SHAPES:
+    for H, K, D in shapes:
         g = torch.Generator(device="cuda").manual_seed(H * D + K)
         q, k, v = (
             torch.randn(T, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for n in (H, K, K)
@@ -149,7 +151,19 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     current = resolve_config(D, H != K, q.device)
     grids = {
         "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (32, 64, 4, 3)],
-        "dkdv": [(32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3)],
+        "dkdv": [
+            (32, 64, 4, 3),
+            (32, 64, 4, 2),
+            (64, 64, 4, 3),
+            (64, 64, 4, 2),
+            (64, 64, 8, 3),
+            (32, 128, 4, 3),
+            (32, 128, 8, 3),
+            (64, 128, 8, 2),
+            (64, 128, 8, 3),
+            (128, 128, 8, 2),
+            (16, 64, 4, 3),
+        ],
         "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)],
     }
 

@@ -42,10 +42,12 @@ import argparse
 import contextlib
 import datetime
 import gc
+import gzip
 import json
 import math
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -241,9 +243,9 @@ def register_baseline_attention(device: torch.device) -> str:
 
         def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
             out = varlen_attention(
-                query[0].transpose(0, 1),
-                key[0].transpose(0, 1),
-                value[0].transpose(0, 1),
+                query.squeeze(0).transpose(0, 1),
+                key.squeeze(0).transpose(0, 1),
+                value.squeeze(0).transpose(0, 1),
                 kwargs["cu_seq_lens_q"],
                 kwargs["max_length_q"],
                 scaling,
@@ -264,7 +266,8 @@ def register_baseline_attention(device: torch.device) -> str:
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        # squeeze, as sftflow's attention function does (a select's backward copies each gradient into zeros)
+        q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
         extra = dict(causal)
         if gqa:
             extra["enable_gqa"] = True
@@ -640,10 +643,12 @@ class Bench:
                     step(s, breakdown=True)
                 result["breakdown_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in timings.items()}
                 first_extra += args.breakdown_steps
-            wanted = profile_dir is not None and name == "D" and args.profile_steps
+            wanted = profile_dir is not None and name in ("D", "Df") and args.profile_steps
             if wanted and first_extra + args.profile_steps <= plan.num_steps:
                 profiled = range(first_extra, first_extra + args.profile_steps)
-                result["profile"] = profile_steps(step, profiled, env.device, profile_dir / f"profile_{name}.txt")
+                result["profile"] = profile_steps(
+                    step, profiled, env.device, profile_dir / f"profile_{name}.txt", args.trace
+                )
             return result
         finally:
             modeling_llama.apply_rotary_pos_emb = original_rope
@@ -676,7 +681,7 @@ def device_gaps(events, top: int = 12) -> tuple[float, float, list[dict]]:
     return busy / 1e3, idle / 1e3, gaps[:top]
 
 
-def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
+def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool = False) -> dict:
     """torch.profiler over a few steps: the top kernels by device time, device busy and idle time, the longest idle
     gaps, and device time per kernel group."""
     from torch.profiler import ProfilerActivity, profile
@@ -689,6 +694,12 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path) -> dict:
             step_fn(s)
         sync(device)
     wall = time.perf_counter() - t0
+    if trace:  # host and device timelines (chrome://tracing, perfetto), for where the device waits on the host
+        trace_path = path.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace_path))
+        with open(trace_path, "rb") as src, gzip.open(f"{trace_path}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace_path.unlink()
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=60, max_name_column_width=90)
@@ -926,6 +937,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--breakdown-steps", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--trace", action="store_true", help="also write the profiled steps' chrome trace (.trace.json.gz)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
     p.add_argument("--out", default=None, help="folder for train_throughput.json/.md and profiles")
