@@ -54,7 +54,7 @@ def _adamw_master_kernel(
         mask = offs < n
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_GRAD_SCALE:
-            g = tl.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
+            g = g / tl.load(grad_scale_ptr).to(tl.float32)
         if SPLIT:
             high = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
             low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
@@ -67,11 +67,8 @@ def _adamw_master_kernel(
         m = m + (1.0 - beta1) * (g - m)  # torch's lerp_(g, 1 - beta1)
         v = beta2 * v + (1.0 - beta2) * g * g
         bias1 = 1.0 - tl.exp2(step * log2_beta1)
-        bias2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
-        # IEEE-rounded division and square root (`_rn`), as torch's fused AdamW computes them: Triton's defaults on
-        # the GPU are approximate, a last-bit difference that bf16 rounding of the parameters can amplify over steps.
-        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
-        w = w * decay - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+        w = w * decay - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
         tl.store(exp_avg_ptr + offs, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
         if SPLIT:
