@@ -558,7 +558,7 @@ class Bench:
         original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
         if compiled:
             torch._dynamo.reset()
-            compile_layers(decoder_layers(lm))
+            compile_layers(decoder_layers(lm), device=env.device, dtype=self.param_dtype)
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         parallel = resolve_parallel(parallel, env)
         model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c)

@@ -421,118 +421,173 @@ def resolve_config(D: int, gqa: bool, device: torch.device, override: dict | Non
     return {part: {**cfg, **override.get(part, {})} for part, cfg in base.items()}
 
 
+def _row_head_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """(stride over tokens, stride over heads) of each (T, heads, D) tensor, in order: the kernels' stride arguments."""
+    return tuple(s for t in tensors for s in t.stride()[:2])
+
+
+def _attention_forward(q, k, v, layout: RowLayout, scale: float, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: (o, lse), o like q, lse (H, T) fp32 (base-2 log-sum-exp of the scaled scores)."""
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    o = torch.empty_like(q)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    order, cfg = _launch(config["fwd"])
+    _fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]) * H,)](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        layout.seq_start,
+        layout.order("q", cfg["BLOCK_M"], order),
+        *_row_head_strides(q, k, v, o),
+        T,
+        D,
+        H,
+        scale * LOG2E,
+        GROUP=group,
+        BLOCK_D=_block_d(D),
+        EVEN_D=_block_d(D) == D,
+        PRECISION=_precision(q.dtype),
+        **cfg,
+    )
+    return o, lse
+
+
+def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, config: dict):
+    """The backward kernels: (dq, dk, dv)."""
+    T, H, D = q.shape
+    K = k.shape[1]
+    do = do.contiguous() if do.stride(-1) != 1 else do
+    delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    block_d = _block_d(D)
+    _bwd_delta_kernel[(triton.cdiv(T, 64), H)](
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    (order_kv, cfg_kv), (order_q, cfg_q) = _launch(config["dkdv"]), _launch(config["dq"])
+    common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
+    strides_in = _row_head_strides(q, k, v, do)
+    _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
+        q,
+        k,
+        v,
+        do,
+        dk,
+        dv,
+        lse,
+        delta,
+        layout.seq_start,
+        layout.seq_end,
+        layout.order("k", cfg_kv["BLOCK_N"], order_kv),
+        *strides_in,
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        T,
+        D,
+        K,
+        scale * LOG2E,
+        scale,
+        **common,
+        **cfg_kv,
+    )
+    _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
+        q,
+        k,
+        v,
+        do,
+        dq,
+        lse,
+        delta,
+        layout.seq_start,
+        layout.order("q", cfg_q["BLOCK_M"], order_q),
+        *strides_in,
+        dq.stride(0),
+        dq.stride(1),
+        T,
+        D,
+        H,
+        scale * LOG2E,
+        scale,
+        **common,
+        **cfg_q,
+    )
+    return dq, dk, dv
+
+
 class _VarlenAttention(torch.autograd.Function):
+    """The kernels with an explicit config (tuning sweeps); training calls the `sftflow::varlen_attention` op."""
+
     @staticmethod
     def forward(ctx, q, k, v, layout, scale, config):
-        T, H, D = q.shape
-        group = H // k.shape[1]
-        o = torch.empty_like(q)
-        lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-        order, cfg = _launch(config["fwd"])
-        _fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]) * H,)](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            layout.seq_start,
-            layout.order("q", cfg["BLOCK_M"], order),
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            o.stride(0),
-            o.stride(1),
-            T,
-            D,
-            H,
-            scale * LOG2E,
-            GROUP=group,
-            BLOCK_D=_block_d(D),
-            EVEN_D=_block_d(D) == D,
-            PRECISION=_precision(q.dtype),
-            **cfg,
-        )
+        o, lse = _attention_forward(q, k, v, layout, scale, config)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.layout = layout
-        ctx.scale = scale
-        ctx.config = config
+        ctx.layout, ctx.scale, ctx.config = layout, scale, config
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        layout = ctx.layout
-        T, H, D = q.shape
-        K = k.shape[1]
-        do = do.contiguous() if do.stride(-1) != 1 else do
-        delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
-        block_d = _block_d(D)
-        _bwd_delta_kernel[(triton.cdiv(T, 64), H)](
-            o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
-        )
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        (order_kv, cfg_kv), (order_q, cfg_q) = _launch(ctx.config["dkdv"]), _launch(ctx.config["dq"])
-        common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
-        strides_in = (
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            do.stride(0),
-            do.stride(1),
-        )
-        _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
-            q,
-            k,
-            v,
-            do,
-            dk,
-            dv,
-            lse,
-            delta,
-            layout.seq_start,
-            layout.seq_end,
-            layout.order("k", cfg_kv["BLOCK_N"], order_kv),
-            *strides_in,
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
-            T,
-            D,
-            K,
-            ctx.scale * LOG2E,
-            ctx.scale,
-            **common,
-            **cfg_kv,
-        )
-        _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
-            q,
-            k,
-            v,
-            do,
-            dq,
-            lse,
-            delta,
-            layout.seq_start,
-            layout.order("q", cfg_q["BLOCK_M"], order_q),
-            *strides_in,
-            dq.stride(0),
-            dq.stride(1),
-            T,
-            D,
-            H,
-            ctx.scale * LOG2E,
-            ctx.scale,
-            **common,
-            **cfg_q,
-        )
-        return dq, dk, dv, None, None, None
+        return (*_attention_backward(do, q, k, v, o, lse, ctx.layout, ctx.scale, ctx.config), None, None, None)
+
+
+# As `torch.library` custom ops, a compiled decoder layer calls the kernels inside its graph: no graph break around
+# the attention, and the gradient reaches the kernels in the layout they produced. (At a graph break, the compiled
+# backward made each q, k and v gradient contiguous in the (B, H, T, D) shape Hugging Face hands over, a
+# transposing copy of ~2.4 ms per 1B-model step on an H200, issue #9.) Block shapes come from `resolve_config`.
+@torch.library.custom_op("sftflow::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) for q (T, H, D), k and v (T, K, D) with stride 1 in D, and int32 `cu_seqlens` on their device."""
+    T, H, D = q.shape
+    config = resolve_config(D, H != k.shape[1], q.device)
+    return _attention_forward(q, k, v, row_layout(cu_seqlens, T), scale, config)
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("sftflow::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, H, D = q.shape
+    config = resolve_config(D, H != k.shape[1], q.device)
+    return _attention_backward(do, q, k, v, o, lse, row_layout(cu_seqlens, T), scale, config)
+
+
+@varlen_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward_op(grad_o, q, k, v, o, lse, cu_seqlens, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_varlen_attention(
@@ -555,5 +610,7 @@ def triton_varlen_attention(
         raise ValueError(f"q {tuple(q_THD.shape)} has 2**31 or more elements; the kernel indexes in int32")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_THD, k_TKD, v_TKD))
     cu = cu_seqlens if cu_seqlens.device == q.device else cu_seqlens.to(q.device)
+    if config is None:
+        return varlen_attention_op(q, k, v, cu.to(torch.int32), scale)[0]
     config = resolve_config(D, H != k.shape[1], q.device, config)
     return _VarlenAttention.apply(q, k, v, row_layout(cu, T), scale, config)

@@ -3,8 +3,9 @@
 Each decoder layer's `forward` goes through `torch.compile(dynamic=True)`: one graph serves every layer and every row
 length, and inductor fuses the elementwise work around the matmuls (RMSNorm, RoPE, SiLU·mul, residual adds), which
 is about a quarter of an eager step on a 1B model (`benchmarks/RESULTS.md`, issue #9). FSDP's hooks stay outside the
-compiled region. sftflow's attention (Triton kernels inside an autograd.Function) runs under
-`torch.compiler.disable`, a graph break in each layer, so a tracing problem there cannot fail a run.
+compiled region. On the Triton backend sftflow's attention is a `torch.library` op (`sftflow::varlen_attention`)
+that the layer's graph calls: one graph per layer, and the gradients reach the kernels as they left them. Other
+backends run under `torch.compiler.disable`, a graph break in each layer.
 
 RoPE. Llama-style `apply_rotary_pos_emb` gets `q`/`k` as (B, H, T, D) views of the projections' (B, T, H, D)
 output. Inductor's fused RoPE wrote the (B, H, T, D) shape contiguously (a transposing, uncoalesced write), and its
@@ -78,20 +79,45 @@ def patch_rope_layout(layer: nn.Module) -> bool:
     return True
 
 
-def compile_layers(layers: list[nn.Module], strict: bool = True) -> None:
+def attention_in_graph(layers: list[nn.Module], device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether compiled layers can call the attention inside their graph: when it dispatches to the Triton kernels
+    (a `torch.library` op) on `device` and `dtype`. Other backends stay behind a graph break."""
+    if device is None or dtype is None or not layers:
+        return False
+    head_dim = getattr(getattr(layers[0], "self_attn", None), "head_dim", None)
+    if head_dim is None:
+        return False
+    from sftflow.kernels.attention import select_backend
+
+    return select_backend(device, dtype, head_dim).name == "triton"
+
+
+def compile_layers(
+    layers: list[nn.Module], strict: bool = True, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> bool:
     """Compile each decoder layer's forward (call before `fully_shard`, after the attention is registered).
 
     `strict=False` (the worker's `compile="auto"`): a layer dynamo or inductor cannot compile runs eagerly, with
     torch's warning, instead of failing the run; `compile="layers"` asked for compilation, so there errors surface.
+    `device` and `dtype` (of the training): where the attention runs on the Triton kernels, the layer's graph holds
+    it (`attention_in_graph`), else it runs under `torch.compiler.disable`. Returns whether the graph holds it.
     """
     if not strict:
         torch._dynamo.config.suppress_errors = True
     from transformers import AttentionInterface
 
-    from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention
+    from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention, sftflow_varlen_attention_op
 
-    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(sftflow_varlen_attention))
+    in_graph = attention_in_graph(layers, device, dtype)
+    attention = sftflow_varlen_attention_op if in_graph else torch.compiler.disable(sftflow_varlen_attention)
+    AttentionInterface.register(ATTENTION_NAME, attention)
     rope = patch_rope_layout(layers[0]) if layers else False
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
-    log.info("compile: %d decoder layers (dynamic shapes%s)", len(layers), ", T-major RoPE" if rope else "")
+    log.info(
+        "compile: %d decoder layers (dynamic shapes%s%s)",
+        len(layers),
+        ", T-major RoPE" if rope else "",
+        ", attention in the graph" if in_graph else "",
+    )
+    return in_graph

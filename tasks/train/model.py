@@ -35,8 +35,8 @@ PRESETS = ("tiny-llama",)
 _UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Hugging Face attention function: `query` (1, H, T, D), `key`/`value` (1, K, T, D) -> ((1, T, H, D), None)."""
+def _packed_qkv(module, query, key, value, dropout, kwargs):
+    """q (T, H, D), k and v (T, K, D), cu_seqlens and max_seqlen of one packed row, checked."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
     if cu_seqlens is None or max_seqlen is None:
@@ -51,10 +51,26 @@ def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=
     if getattr(module, "sliding_window", None):
         raise ValueError(f"attention '{ATTENTION_NAME}' does not implement sliding windows ({type(module).__name__})")
     # squeeze, not [0]: a select's backward writes the gradient into a zero-filled (1, H, T, D) buffer with a strided
-    # copy, for q, k and v of every layer (~2.9 ms of a 1B-model step on an H200); a squeeze's backward is a view.
+    # copy, for q, k and v of every layer (~0.5 ms of a 1B-model step on an H200); a squeeze's backward is a view.
     q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+    return q, k, v, cu_seqlens, max_seqlen
+
+
+def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Hugging Face attention function: `query` (1, H, T, D), `key`/`value` (1, K, T, D) -> ((1, T, H, D), None)."""
+    q, k, v, cu_seqlens, max_seqlen = _packed_qkv(module, query, key, value, dropout, kwargs)
     out_THD = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling)
     return out_THD.unsqueeze(0), None
+
+
+def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`sftflow_varlen_attention` on the Triton backend through its `torch.library` op, which a compiled layer
+    traces into its graph (`sftflow.tasks.train.compile`)."""
+    from sftflow.kernels.attention_triton import varlen_attention_op
+
+    q, k, v, cu_seqlens, _ = _packed_qkv(module, query, key, value, dropout, kwargs)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return varlen_attention_op(q, k, v, cu_seqlens, scale)[0].unsqueeze(0), None
 
 
 def register_attention() -> None:

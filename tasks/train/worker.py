@@ -290,11 +290,12 @@ def train(run_dir: Path) -> None:
 
     lm = build_model(config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides)
     compiled = resolve_compile(config.compile, env.device)
+    param_dtype = compute_dtype(env, config.dtype)
     if compiled:
-        compile_layers(decoder_layers(lm), strict=config.compile == "layers")
+        compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
     optim_c = cfg.optim_config(config)
     parallel = resolve_parallel(config.parallel, env)
-    model, optimizer, model_state = parallelize(lm, env, parallel, compute_dtype(env, config.dtype), optim_c)
+    model, optimizer, model_state = parallelize(lm, env, parallel, param_dtype, optim_c)
     schedule_c = cfg.schedule_config(config, total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
     progress = Progress()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,3 +250,89 @@ def test_flash_attn_adapter_follows_its_varlen_api(monkeypatch):
     assert seen["cu_q"].dtype == torch.int32 and torch.equal(seen["cu_q"], seen["cu_k"])
     assert (seen["max_q"], seen["max_k"], seen["scale"], seen["causal"]) == (9, 9, 0.3, True)
     assert rel_err(out, dense_reference(q, k, v, [6, 1, 9], 0.3)) <= 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_attention_op_passes_opcheck_and_compiles_without_a_graph_break(device):
+    """`sftflow::varlen_attention`: schema, fake and autograd registrations (opcheck), and a compiled function
+    calling it in one graph (fullgraph) with the eager gradients."""
+    from sftflow.kernels.attention_triton import varlen_attention_op
+
+    g = torch.Generator().manual_seed(0)
+    T, H, K, D = 40, 4, 2, 16
+    q, k, v = (torch.randn(T, n, D, generator=g).to(device).requires_grad_() for n in (H, K, K))
+    cu = torch.tensor([0, 13, 14, T], dtype=torch.int32, device=device)
+    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 0.25))
+
+    def attend(q, k, v):
+        return varlen_attention_op(q, k, v, cu, 0.25)[0]
+
+    expected = varlen_attention(q, k, v, cu, 26, 0.25, backend="sdpa")
+    want = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_compiled_layers_hold_the_triton_attention_in_their_graph(monkeypatch, device):
+    """On the Triton backend a compiled decoder layer is one graph (no break at the attention), with the eager
+    layer's loss and gradients; other backends keep the break (`attention_in_graph`)."""
+    from torch._dynamo.utils import counters
+    from transformers import AttentionInterface
+    from transformers.models.llama import modeling_llama
+
+    from sftflow.tasks.train.collate import collate, packed_collator
+    from sftflow.tasks.train.compile import attention_in_graph, compile_layers
+    from sftflow.tasks.train.model import (
+        ATTENTION_NAME,
+        CausalLMLoss,
+        build_model,
+        decoder_layers,
+        model_batch,
+        register_attention,
+    )
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    register_attention()
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION_NAME, AttentionInterface[ATTENTION_NAME])
+    dev = torch.device(device)
+    layers = decoder_layers(build_model("tiny-llama", vocab_size=100, packed=True))
+    assert not attention_in_graph(layers, torch.device("cpu"), torch.float32)  # the CPU default: the sdpa reference
+    monkeypatch.setenv("SFTFLOW_ATTENTION", "sdpa")
+    assert not attention_in_graph(layers, dev, torch.float32)
+    monkeypatch.setenv("SFTFLOW_ATTENTION", "triton")  # on CPU through the interpreter (conftest)
+    assert attention_in_graph(layers, dev, torch.float32)
+
+    g = np.random.default_rng(0)
+    docs = [(g.integers(0, 100, n), np.array([[n // 3, n]], dtype=np.int32)) for n in (7, 1, 12, 5)]
+    batch = model_batch(collate(docs, packed_collator()), dev)
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        lm = build_model("tiny-llama", vocab_size=100, packed=True).to(dev)
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            assert compile_layers(decoder_layers(lm), device=dev, dtype=torch.float32)
+        model = CausalLMLoss(lm)
+        loss = model(**batch)
+        loss.backward()
+        if compiled:
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            assert counters["stats"]["unique_graphs"] >= 1
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    try:
+        (loss_e, grads_e), (loss_c, grads_c) = run(False), run(True)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-5, msg=name)
