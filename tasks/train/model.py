@@ -69,6 +69,7 @@ def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropo
     from sftflow.kernels.attention_triton import varlen_attention_op
 
     q, k, v, cu_seqlens, _ = _packed_qkv(module, query, key, value, dropout, kwargs)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernels read D contiguously
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     return varlen_attention_op(q, k, v, cu_seqlens, scale)[0].unsqueeze(0), None
 
