@@ -18,6 +18,7 @@ materialised.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -64,14 +65,13 @@ def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=
 
 
 def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """`sftflow_varlen_attention` on the Triton backend through its `torch.library` op, which a compiled layer
-    traces into its graph (`sftflow.tasks.train.compile`)."""
-    from sftflow.kernels.attention_triton import varlen_attention_op
+    """`sftflow_varlen_attention` on the Triton backend, without the dispatch: its `torch.library` op is what a
+    compiled layer traces into its graph (`sftflow.tasks.train.compile`)."""
+    from sftflow.kernels.attention_triton import triton_varlen_attention
 
-    q, k, v, cu_seqlens, _ = _packed_qkv(module, query, key, value, dropout, kwargs)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernels read D contiguously
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return varlen_attention_op(q, k, v, cu_seqlens, scale)[0].unsqueeze(0), None
+    q, k, v, cu_seqlens, max_seqlen = _packed_qkv(module, query, key, value, dropout, kwargs)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])  # varlen_attention's default
+    return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale).unsqueeze(0), None
 
 
 def register_attention() -> None:
