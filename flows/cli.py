@@ -35,6 +35,8 @@ def _user_errors(fn):
 
     from pydantic import ValidationError
 
+    from sftflow.flows.local_api import LocalAPIError
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -43,10 +45,21 @@ def _user_errors(fn):
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             _fail(f"config field '{where}': {first['msg']}")
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, FileNotFoundError, LocalAPIError) as err:
             _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
     return wrapper
+
+
+def _notice(message: str) -> None:
+    typer.secho(message, err=True, fg=typer.colors.BLUE)
+
+
+def _prefect_api():
+    """The Prefect API the command's flows run against (`sftflow.flows.local_api`)."""
+    from sftflow.flows.local_api import prefect_api
+
+    return prefect_api(notice=_notice)
 
 
 def _load_yaml(path: Path | None) -> dict[str, Any]:
@@ -124,7 +137,9 @@ def data(
         raw["index"].setdefault("max_length", max_length)
     if "sources" not in raw or "tokenizer" not in raw:
         raise ValueError("--source and --tokenizer are required (or set `sources` and `tokenizer` in --config)")
-    result = run_data(DataConfig.model_validate(raw), str(out), force=force)
+    data_config = DataConfig.model_validate(raw)
+    with _prefect_api():
+        result = run_data(data_config, str(out), force=force)
     typer.echo(json.dumps(result.summary(), indent=2))
 
 
@@ -196,7 +211,8 @@ def plan(
 
         section = PlanSection.model_validate(config.model_dump(include=set(PlanSection.model_fields)))
         cfg = SFTConfig(work_dir=str(out.resolve()), plan=section)
-        manifest = sft_plan(config=cfg, data=load_data_result(data))
+        with _prefect_api():
+            manifest = sft_plan(config=cfg, data=load_data_result(data))
         plan_stats = manifest.stats
         shutil.copyfile(manifest.path, out / "plan.npz")
     summary = {
@@ -346,8 +362,37 @@ def run(
     cfg = SFTConfig.from_yaml(config) if config else demo_config()
     if work_dir:
         cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
-    result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [])
+    with _prefect_api():
+        result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [])
     typer.echo(_final_report(result))
+
+
+@app.command()
+@_user_errors
+def server(
+    stop: Annotated[bool, typer.Option("--stop", help="stop the server now instead of when it goes idle")] = False,
+) -> None:
+    """The local Prefect API server sftflow commands share when PREFECT_API_URL is not set: where it is, or stop it."""
+    _quiet_defaults()
+    from pathlib import Path as _Path
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    from sftflow.flows.local_api import healthy, read_record, state_dir, stop_server
+
+    folder = state_dir(_Path(PREFECT_HOME.value()).expanduser())
+    if PREFECT_API_URL.value():
+        typer.echo(f"PREFECT_API_URL is set ({PREFECT_API_URL.value()}): commands use that server, not a local one")
+    if stop:
+        stopped = stop_server(folder)
+        typer.echo("stopped the local Prefect API server" if stopped else "no local Prefect API server runs")
+        return
+    record = read_record(folder)
+    if record is None or not healthy(record.url):
+        typer.echo("no local Prefect API server runs; the next command that runs a flow starts one")
+    else:
+        where = record.url.removesuffix("/api")
+        typer.echo(f"local Prefect API server: {where} (pid {record.pid}), log {folder / 'server.log'}")
 
 
 def _final_report(result) -> str:
