@@ -4,7 +4,7 @@ A packed row holds several documents back to back; ``cu_seqlens`` gives their bo
 the tokens of its own document up to itself, never across documents::
 
     tokens      a0 a1 a2 b0 b1 c0          cu_seqlens = [0, 3, 5, 6], max_seqlen = 3
-    a2 sees     a0 a1 a2
+    a2 sees     a0 a1 a2                   (window=2: a1 a2 only, as Mistral's sliding window of 2 would)
     b1 sees              b0 b1
     c0 sees                    c0
 
@@ -106,17 +106,22 @@ def _expand_kv(k_TKD: torch.Tensor, group: int) -> torch.Tensor:
     return k_TKD if group == 1 else k_TKD.repeat_interleave(group, dim=1)
 
 
-def document_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
-    """(T, T) bool: True where query i may attend key j (same document and j <= i)."""
+def document_causal_mask(
+    cu_seqlens: torch.Tensor, total: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """(T, T) bool: True where query i may attend key j (same document, j <= i, and i - j < window if given)."""
     pos = torch.arange(total, device=device)
     doc = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long), pos, right=True)
-    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    return mask
 
 
-def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
     T, H, _ = q_THD.shape
     group = H // k_TKD.shape[1]
-    mask = document_causal_mask(cu_seqlens, T, q_THD.device)
+    mask = document_causal_mask(cu_seqlens, T, q_THD.device, window)
     q = q_THD.transpose(0, 1)[None]
     k = _expand_kv(k_TKD, group).transpose(0, 1)[None]
     v = _expand_kv(v_TKD, group).transpose(0, 1)[None]
@@ -124,13 +129,15 @@ def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     return o.squeeze(0).transpose(0, 1)  # a squeeze: its backward is a view (a select's copies into zeros)
 
 
-def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"scale": scale}
-    if "window_size" in params:  # torch >= 2.11: (left, right) = (-1, 0) is causal
-        kwargs["window_size"] = (-1, 0)
+    if "window_size" in params:  # torch >= 2.11: (left, right) = (-1, 0) is causal, (W - 1, 0) a window of W keys
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+    elif window is not None:
+        raise ValueError(f"attention backend 'torch': torch {torch.__version__} varlen_attn has no window_size")
     else:  # torch 2.10
         kwargs["is_causal"] = True
     group = q_THD.shape[1] // k_TKD.shape[1]
@@ -142,17 +149,20 @@ def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     return varlen_attn(q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _attention_flash_attn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+def _attention_flash_attn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
     from flash_attn import flash_attn_varlen_func
 
     cu = cu_seqlens.to(torch.int32)
-    return flash_attn_varlen_func(q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    return flash_attn_varlen_func(
+        q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True, window_size=window_size
+    )
 
 
-def _attention_triton(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
+def _attention_triton(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
     from sftflow.kernels.attention_triton import triton_varlen_attention
 
-    return triton_varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)
+    return triton_varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window)
 
 
 IMPLEMENTATIONS = {
@@ -170,13 +180,16 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    window: int | None = None,
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of a packed row; returns (T, H, D) like `q_THD`. Differentiable.
 
     `cu_seqlens` is the (N + 1,) int tensor of document boundaries, starting at 0 and ending at T; `max_seqlen`
-    the longest document. `scale` defaults to 1 / sqrt(D). `backend` overrides the dispatch and SFTFLOW_ATTENTION.
+    the longest document. `scale` defaults to 1 / sqrt(D). `window` (sliding-window attention, Hugging Face's
+    `sliding_window`): query i sees keys j with i - window < j <= i only. `backend` overrides the dispatch and
+    SFTFLOW_ATTENTION.
     """
     if q_THD.ndim != 3 or k_TKD.ndim != 3 or k_TKD.shape != v_TKD.shape:
         raise ValueError(
@@ -195,8 +208,10 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but q has T={T} tokens")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a query must see at least itself")
     if backend is None:
         backend = select_backend(q_THD.device, q_THD.dtype, D).name
     elif backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not an {KERNEL} backend; expected one of {sorted(BACKENDS)}")
-    return IMPLEMENTATIONS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale)
+    return IMPLEMENTATIONS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window)

@@ -21,6 +21,11 @@ tail. ``ORDER="lpt"`` has each program read its block from a work-sorted order (
 longest-processing-time scheduling); ``ORDER="row"`` keeps row order, which keeps neighbouring blocks of a document
 (and their K/V tiles in L2) together. Which wins depends on the shape (benchmarks/RESULTS.md).
 
+Sliding windows (Mistral, Phi-3, Gemma 3's local layers): with ``WINDOW`` = W, query i sees keys j with
+max(seq_start[i], i - W + 1) <= j <= i. That first visible key never decreases along the row either, so the same
+block ranges hold with it in place of the document start, and a window skips every key block left of it: attention
+over long documents costs O(T W) instead of O(T^2). Without a window, ``WINDOW`` is ``NO_WINDOW`` (2**30).
+
 GQA: query head h reads kv head h // (H / K) through strides, nothing is expanded; the dK/dV program of a kv head
 loops over its query heads. Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row
 log-sum-exp for the backward. Imported lazily by ``attention`` so TRITON_INTERPRET can be set first.
@@ -36,6 +41,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# "No sliding window": larger than any row (the kernels compare positions with position - window in int32).
+NO_WINDOW = 2**30
 
 
 # Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
@@ -66,13 +73,14 @@ def _tile(ptr, rows, stride_row, col_off, offs_d, d_ok, T, EVEN_D: tl.constexpr)
 
 
 @triton.jit
-def _key_ranges(m0, seq_start_ptr, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks a query block [m0, m0 + BLOCK_M) meets, [lo, end), and among them the unmasked run [u_lo, u_hi).
     A key block needs no mask when every row sees every key: its keys are at or below the block's first row, and at
-    or after the largest document start among the rows (that of the last valid row)."""
+    or after the largest first visible key among the rows (that of the last valid row: a row's first visible key,
+    max(document start, row - WINDOW + 1), never decreases along the row)."""
     hi = tl.minimum(m0 + BLOCK_M, T)
-    lo = tl.load(seq_start_ptr + m0) // BLOCK_N * BLOCK_N
-    start_last = tl.load(seq_start_ptr + hi - 1)
+    lo = tl.maximum(tl.load(seq_start_ptr + m0), m0 - WINDOW + 1) // BLOCK_N * BLOCK_N
+    start_last = tl.maximum(tl.load(seq_start_ptr + hi - 1), hi - WINDOW)
     end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
     u_lo = tl.minimum(tl.cdiv(start_last, BLOCK_N) * BLOCK_N, end)
     u_hi = tl.maximum(u_lo, (m0 + 1) // BLOCK_N * BLOCK_N)
@@ -116,6 +124,7 @@ def _fwd_kernel(
     D,
     H,
     qk_scale,
+    WINDOW,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,12 +140,12 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
-    start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
+    start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
     q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M, BLOCK_N)
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
@@ -185,6 +194,7 @@ def _bwd_dq_kernel(
     H,
     qk_scale,
     scale,
+    WINDOW,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -200,13 +210,13 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
-    start_m = tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T)
+    start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
     q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
     do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
     lse = tl.load(lse_ptr + h * T + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + h * T + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M, BLOCK_N)
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
@@ -254,6 +264,7 @@ def _bwd_dkdv_kernel(
     K,
     qk_scale,
     scale,
+    WINDOW,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -269,12 +280,14 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < D
     k = _tile(k_ptr, offs_n, stride_kt, kh * stride_kh, offs_d, d_ok, T, EVEN_D)
     v = _tile(v_ptr, offs_n, stride_vt, kh * stride_vh, offs_d, d_ok, T, EVEN_D)
-    # Query blocks that can see a key of this block: from the block itself to the end of its last key's document.
-    # Unmasked among them, [u_lo, u_hi): rows at or after the block's last key, inside its first key's document.
-    q_end = tl.cdiv(tl.load(seq_end_ptr + tl.minimum(n0 + BLOCK_N, T) - 1), BLOCK_M) * BLOCK_M
+    # Query blocks that can see a key of this block: from the block itself to the end of its last key's document
+    # (or of its window). Unmasked among them, [u_lo, u_hi): rows at or after the block's last key, inside its first
+    # key's document and window.
+    last = tl.minimum(n0 + BLOCK_N, T) - 1
+    q_end = tl.cdiv(tl.minimum(tl.load(seq_end_ptr + last), last + WINDOW), BLOCK_M) * BLOCK_M
     q_lo = n0 // BLOCK_M * BLOCK_M
     u_lo = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_end)
-    u_hi = tl.maximum(u_lo, tl.load(seq_end_ptr + n0) // BLOCK_M * BLOCK_M)
+    u_hi = tl.maximum(u_lo, tl.minimum(tl.load(seq_end_ptr + n0), n0 + WINDOW) // BLOCK_M * BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):
@@ -288,7 +301,7 @@ def _bwd_dkdv_kernel(
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
             p_t = tl.exp2(s_t - lse[None, :])
             if (m0 < u_lo) | (m0 >= u_hi):  # on the diagonal or across a document boundary
-                start_m = tl.load(seq_start_ptr + offs_m, mask=offs_m < T, other=T)
+                start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=offs_m < T, other=T), offs_m - WINDOW + 1)
                 visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
                 p_t = tl.where(visible, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
@@ -371,14 +384,14 @@ class RowLayout:
 
     seq_start: torch.Tensor
     seq_end: torch.Tensor
-    orders: dict[tuple[str, int, str], torch.Tensor] = field(default_factory=dict)
+    orders: dict[tuple[str, int, str, int], torch.Tensor] = field(default_factory=dict)
 
-    def order(self, side: str, block: int, how: str = "lpt") -> torch.Tensor:
+    def order(self, side: str, block: int, how: str = "lpt", window: int = NO_WINDOW) -> torch.Tensor:
         """Query ("q") or key ("k") blocks of `block` tokens in program order: most work first ("lpt"), or row order.
 
-        A query block's work is the keys it scans (from its first row's document start to its end); a key block's
-        the queries that can see it (from its start to the end of its last key's document)."""
-        key = (side, block, how)
+        A query block's work is the keys it scans (from its first row's first visible key to its end); a key block's
+        the queries that can see it (from its start to the end of its last key's document or window)."""
+        key = (side, block, how, window)
         if key not in self.orders:
             T, device = self.seq_start.numel(), self.seq_start.device
             blocks = torch.arange(triton.cdiv(T, block), device=device, dtype=torch.int32)
@@ -387,7 +400,10 @@ class RowLayout:
             else:
                 first = blocks * block
                 last = torch.clamp(first + block, max=T) - 1
-                work = last + 1 - self.seq_start[first] if side == "q" else self.seq_end[last] - first
+                if side == "q":
+                    work = last + 1 - torch.maximum(self.seq_start[first], first - window + 1)
+                else:
+                    work = torch.minimum(self.seq_end[last], last + window) - first
                 self.orders[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
         return self.orders[key]
 
@@ -426,7 +442,9 @@ def _row_head_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple(s for t in tensors for s in t.stride()[:2])
 
 
-def _attention_forward(q, k, v, layout: RowLayout, scale: float, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_forward(
+    q, k, v, layout: RowLayout, scale: float, config: dict, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: (o, lse), o like q, lse (H, T) fp32 (base-2 log-sum-exp of the scaled scores)."""
     T, H, D = q.shape
     group = H // k.shape[1]
@@ -440,12 +458,13 @@ def _attention_forward(q, k, v, layout: RowLayout, scale: float, config: dict) -
         o,
         lse,
         layout.seq_start,
-        layout.order("q", cfg["BLOCK_M"], order),
+        layout.order("q", cfg["BLOCK_M"], order, window),
         *_row_head_strides(q, k, v, o),
         T,
         D,
         H,
         scale * LOG2E,
+        window,
         GROUP=group,
         BLOCK_D=_block_d(D),
         EVEN_D=_block_d(D) == D,
@@ -455,7 +474,7 @@ def _attention_forward(q, k, v, layout: RowLayout, scale: float, config: dict) -
     return o, lse
 
 
-def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, config: dict):
+def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, config: dict, window: int):
     """The backward kernels: (dq, dk, dv)."""
     T, H, D = q.shape
     K = k.shape[1]
@@ -480,7 +499,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         delta,
         layout.seq_start,
         layout.seq_end,
-        layout.order("k", cfg_kv["BLOCK_N"], order_kv),
+        layout.order("k", cfg_kv["BLOCK_N"], order_kv, window),
         *strides_in,
         dk.stride(0),
         dk.stride(1),
@@ -491,6 +510,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         K,
         scale * LOG2E,
         scale,
+        window,
         **common,
         **cfg_kv,
     )
@@ -503,7 +523,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         lse,
         delta,
         layout.seq_start,
-        layout.order("q", cfg_q["BLOCK_M"], order_q),
+        layout.order("q", cfg_q["BLOCK_M"], order_q, window),
         *strides_in,
         dq.stride(0),
         dq.stride(1),
@@ -512,6 +532,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         H,
         scale * LOG2E,
         scale,
+        window,
         **common,
         **cfg_q,
     )
@@ -522,16 +543,17 @@ class _VarlenAttention(torch.autograd.Function):
     """The kernels with an explicit config (tuning sweeps); training calls the `sftflow::varlen_attention` op."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, config):
-        o, lse = _attention_forward(q, k, v, layout, scale, config)
+    def forward(ctx, q, k, v, layout, scale, config, window):
+        o, lse = _attention_forward(q, k, v, layout, scale, config, window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.layout, ctx.scale, ctx.config = layout, scale, config
+        ctx.layout, ctx.scale, ctx.config, ctx.window = layout, scale, config, window
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*_attention_backward(do, q, k, v, o, lse, ctx.layout, ctx.scale, ctx.config), None, None, None)
+        grads = _attention_backward(do, q, k, v, o, lse, ctx.layout, ctx.scale, ctx.config, ctx.window)
+        return (*grads, None, None, None, None)
 
 
 # As `torch.library` custom ops, a compiled decoder layer calls the kernels inside its graph: no graph break around
@@ -540,16 +562,17 @@ class _VarlenAttention(torch.autograd.Function):
 # transposing copy of ~2.4 ms per 1B-model step on an H200, issue #9.) Block shapes come from `resolve_config`.
 @torch.library.custom_op("sftflow::varlen_attention", mutates_args=())
 def varlen_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for q (T, H, D), k and v (T, K, D) with stride 1 in D, and int32 `cu_seqlens` on their device."""
+    """(o, lse) for q (T, H, D), k and v (T, K, D) with stride 1 in D, and int32 `cu_seqlens` on their device.
+    `window`: each query sees at most this many keys, itself included (`NO_WINDOW`: its whole document so far)."""
     T, H, D = q.shape
     config = resolve_config(D, H != k.shape[1], q.device)
-    return _attention_forward(q, k, v, row_layout(cu_seqlens, T), scale, config)
+    return _attention_forward(q, k, v, row_layout(cu_seqlens, T), scale, config, window)
 
 
 @varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens, scale):
+def _(q, k, v, cu_seqlens, scale, window):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -563,28 +586,29 @@ def varlen_attention_backward_op(
     lse: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, H, D = q.shape
     config = resolve_config(D, H != k.shape[1], q.device)
-    return _attention_backward(do, q, k, v, o, lse, row_layout(cu_seqlens, T), scale, config)
+    return _attention_backward(do, q, k, v, o, lse, row_layout(cu_seqlens, T), scale, config, window)
 
 
 @varlen_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens, scale):
+def _(do, q, k, v, o, lse, cu_seqlens, scale, window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale = inputs
+    q, k, v, cu_seqlens, scale, window = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.scale = scale
+    ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward_op(grad_o, q, k, v, o, lse, cu_seqlens, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = varlen_attention_backward_op(grad_o, q, k, v, o, lse, cu_seqlens, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None, None
 
 
 varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -597,10 +621,12 @@ def triton_varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float,
+    window: int | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Causal attention within documents.
+    """Causal attention within documents; with `window`, each query sees at most its last `window` keys (itself
+    included), as Hugging Face's sliding-window mask does.
 
     `config` overrides, for tuning, parts of the per-shape defaults (`resolve_config`): {"fwd" | "dkdv" | "dq":
     {BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER}}, each part partial.
@@ -610,7 +636,10 @@ def triton_varlen_attention(
         raise ValueError(f"q {tuple(q_THD.shape)} has 2**31 or more elements; the kernel indexes in int32")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_THD, k_TKD, v_TKD))
     cu = cu_seqlens if cu_seqlens.device == q.device else cu_seqlens.to(q.device)
+    window = NO_WINDOW if window is None else min(int(window), NO_WINDOW)
+    if window < 1:
+        raise ValueError(f"window={window}: a query must see at least itself")
     if config is None:
-        return varlen_attention_op(q, k, v, cu.to(torch.int32), scale)[0]
+        return varlen_attention_op(q, k, v, cu.to(torch.int32), scale, window)[0]
     config = resolve_config(D, H != k.shape[1], q.device, config)
-    return _VarlenAttention.apply(q, k, v, row_layout(cu, T), scale, config)
+    return _VarlenAttention.apply(q, k, v, row_layout(cu, T), scale, config, window)

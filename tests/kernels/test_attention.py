@@ -23,20 +23,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / denom if denom > 0 else out.norm().item()  # e.g. dq of 1-token documents
 
 
-def dense_reference(q, k, v, doc_lengths, scale):
-    """fp64, one document at a time, with an explicit causal mask; GQA by repeating kv heads."""
+def dense_reference(q, k, v, doc_lengths, scale, window=None):
+    """fp64, one document at a time, with an explicit causal (and sliding-window) mask; GQA by repeating kv heads."""
     q, k, v = (x.detach().double().cpu() for x in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    outs, start = [], 0
-    for length in doc_lengths:
-        sl = slice(start, start + length)
-        scores = torch.einsum("ihd,jhd->hij", q[sl], k[sl]) * scale
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        outs.append(torch.einsum("hij,jhd->ihd", probs, v[sl]))
-        start += length
-    return torch.cat(outs)
+    return _differentiable_reference(q, k, v, doc_lengths, scale, window)
 
 
 def make_inputs(doc_lengths, H, K, D, device, dtype=torch.float32, seed=0):
@@ -56,12 +46,12 @@ CASES = {
 }
 
 
-def assert_matches_fp64(o, q, k, v, doc_lengths, scale, tol):
+def assert_matches_fp64(o, q, k, v, doc_lengths, scale, tol, window=None):
     """`o` and, after a backward with a random dO, q/k/v's gradients against the fp64 per-document reference."""
     do = torch.randn_like(o)
     o.backward(do)
     q64, k64, v64 = (x.detach().double().cpu().requires_grad_() for x in (q, k, v))
-    ref = _differentiable_reference(q64, k64, v64, doc_lengths, scale)
+    ref = _differentiable_reference(q64, k64, v64, doc_lengths, scale, window)
     ref.backward(do.double().cpu())
     assert o.shape == q.shape and o.dtype == q.dtype
     assert rel_err(o, ref) <= tol
@@ -78,17 +68,52 @@ def test_forward_and_backward_match_fp64(backend, case, device):
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
 
 
-def _differentiable_reference(q, k, v, doc_lengths, scale):
+def _differentiable_reference(q, k, v, doc_lengths, scale, window=None):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     outs, start = [], 0
     for length in doc_lengths:
         sl = slice(start, start + length)
         scores = torch.einsum("ihd,jhd->hij", q[sl], k[sl]) * scale
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        outs.append(torch.einsum("hij,jhd->ihd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v[sl]))
+        visible = torch.ones(length, length, dtype=torch.bool).tril()
+        if window is not None:  # Hugging Face's sliding window: key j visible from query i iff i - window < j <= i
+            visible = visible.triu(-(window - 1))
+        outs.append(torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v[sl]))
         start += length
     return torch.cat(outs)
+
+
+# Windows shorter than some documents, of one token, equal to a document, and longer than the row; with documents
+# that start inside a block, so that windows and document starts cut the same blocks.
+WINDOW_CASES = {
+    "w1": ([5, 9], 4, 2, 16, 1),
+    "w4_docs_longer": ([3, 37, 20, 1], 4, 2, 16, 4),
+    "w17_gqa4": ([50, 2, 33], 8, 2, 32, 17),
+    "w_equals_doc": ([23, 23], 4, 4, 16, 23),
+    "w_longer_than_row": ([12, 30], 2, 1, 24, 500),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_sliding_window_forward_and_backward_match_fp64(backend, case, device):
+    doc_lengths, H, K, D, window = WINDOW_CASES[case]
+    q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=len(case) + window)
+    o = varlen_attention(q, k, v, cu, max(doc_lengths), window=window, backend=backend)
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5, window=window)
+
+
+def test_a_window_changes_the_output_only_where_it_cuts():
+    """Tokens nearer their document start than the window see the same keys with and without it."""
+    doc_lengths, window = [10, 30], 8
+    q, k, v, cu = make_inputs(doc_lengths, 4, 2, 16, "cpu", seed=3)
+    with torch.no_grad():
+        full = varlen_attention(q, k, v, cu, 30, backend="sdpa")
+        windowed = varlen_attention(q, k, v, cu, 30, window=window, backend="sdpa")
+    first_in_doc = torch.tensor([i for i in range(10)] + [i for i in range(30)])
+    inside = first_in_doc < window
+    assert torch.equal(full[inside], windowed[inside])
+    assert not torch.allclose(full[~inside], windowed[~inside])
 
 
 # Tile shapes as the GPU uses them (BLOCK_M != BLOCK_N both ways), both program orders, and a head dim that is not a
@@ -181,12 +206,13 @@ def test_cuda_preference_without_a_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
-def test_triton_bf16_on_gpu(D, group):
+@pytest.mark.parametrize("window", [None, 300])
+def test_triton_bf16_on_gpu(D, group, window):
     doc_lengths = [700, 1, 129, 64, 2000, 37]
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
-    o = varlen_attention(q, k, v, cu, max(doc_lengths), backend="triton")
-    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2)
+    o = varlen_attention(q, k, v, cu, max(doc_lengths), window=window, backend="triton")
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 
 
 @needs_triton
@@ -222,6 +248,8 @@ def test_config_overrides_are_checked():
     from sftflow.kernels.attention_triton import resolve_config, triton_varlen_attention
 
     cfg = resolve_config(128, True, torch.device("cuda"), {"dq": {"BLOCK_M": 128}})
+    with pytest.raises(ValueError, match="at least itself"):
+        varlen_attention(*make_inputs([4, 4], 2, 1, 16, "cpu"), 4, window=0)
     assert cfg["dq"]["BLOCK_M"] == 128 and cfg["dq"]["BLOCK_N"] == 32 and cfg["fwd"]["ORDER"] == "lpt"
     with pytest.raises(ValueError, match="unknown"):
         resolve_config(64, False, torch.device("cpu"), {"bwd": {}})
@@ -232,16 +260,20 @@ def test_config_overrides_are_checked():
 
 def test_flash_attn_adapter_follows_its_varlen_api(monkeypatch):
     """flash-attn is installed on no machine here, so its backend never runs; this checks our side of its documented
-    call, `flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=, causal=)`, against a stand-in
-    module that answers with the sdpa reference."""
+    call, `flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=, causal=, window_size=)`,
+    against a stand-in module that answers with the sdpa reference."""
     import sys
     import types
 
     seen = {}
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    def flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1)
+    ):
         seen.update(q=q, k=k, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=softmax_scale, causal=causal)
-        return varlen_attention(q, k, v, cu_q.long(), max_q, scale=softmax_scale, backend="sdpa")
+        seen["window_size"] = window_size
+        window = None if window_size[0] < 0 else window_size[0] + 1  # flash-attn counts the keys left of the query
+        return varlen_attention(q, k, v, cu_q.long(), max_q, scale=softmax_scale, window=window, backend="sdpa")
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
     q, k, v, cu = make_inputs([6, 1, 9], 8, 2, 16, "cpu", seed=4)
@@ -250,6 +282,9 @@ def test_flash_attn_adapter_follows_its_varlen_api(monkeypatch):
     assert seen["cu_q"].dtype == torch.int32 and torch.equal(seen["cu_q"], seen["cu_k"])
     assert (seen["max_q"], seen["max_k"], seen["scale"], seen["causal"]) == (9, 9, 0.3, True)
     assert rel_err(out, dense_reference(q, k, v, [6, 1, 9], 0.3)) <= 1e-6
+    out = varlen_attention(q, k, v, cu.long(), 9, scale=0.3, window=4, backend="flash_attn")
+    assert seen["window_size"] == (3, 0)
+    assert rel_err(out, dense_reference(q, k, v, [6, 1, 9], 0.3, window=4)) <= 1e-6
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -262,12 +297,12 @@ def test_attention_op_passes_opcheck_and_compiles_without_a_graph_break(device):
     T, H, K, D = 40, 4, 2, 16
     q, k, v = (torch.randn(T, n, D, generator=g).to(device).requires_grad_() for n in (H, K, K))
     cu = torch.tensor([0, 13, 14, T], dtype=torch.int32, device=device)
-    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 0.25))
+    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 0.25, 9))
 
     def attend(q, k, v):
-        return varlen_attention_op(q, k, v, cu, 0.25)[0]
+        return varlen_attention_op(q, k, v, cu, 0.25, 9)[0]
 
-    expected = varlen_attention(q, k, v, cu, 26, 0.25, backend="sdpa")
+    expected = varlen_attention(q, k, v, cu, 26, 0.25, window=9, backend="sdpa")
     want = torch.autograd.grad(expected.square().sum(), (q, k, v))
     torch._dynamo.reset()
     try:
