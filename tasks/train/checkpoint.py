@@ -145,6 +145,13 @@ def resolve_checkpoint(path: Path) -> Path:
     raise ValueError(f"init_from={path}: not a DCP checkpoint folder (no .metadata) nor a run with a 'latest' marker")
 
 
+def restores_model(config: CheckpointConfig) -> bool:
+    """Whether `Checkpointer.restore` will load the `model` component (a resume, or `init_from` with `model`)."""
+    if config.resume and latest_checkpoint(config.folder) is not None:
+        return True
+    return config.init_from is not None and "model" in config.load_components
+
+
 def checkpoint_components(path: Path) -> set[str]:
     """Top-level components stored in a DCP checkpoint, read from its metadata (no tensor is loaded)."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()

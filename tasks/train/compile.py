@@ -41,7 +41,9 @@ def _tmajor_rope(original):
     from sftflow.kernels.rope import rotary
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim != 1:  # not the (B, H, T, D) call this replacement is for
+        # Not the (B, H, T, D) call this replacement is for, or a partial rotary (Phi-4-mini rotates 3/4 of each
+        # head, a split the kernel does not make): the family's own function.
+        if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
             return original(q, k, cos, sin, unsqueeze_dim)
         return rotary(q, cos, sin), rotary(k, cos, sin)
 

@@ -227,12 +227,16 @@ def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
             "(--resume) to continue it, or choose a new out folder"
         )
     config = config.model_copy(update={"resume": resume})
+    plan = load_plan(config.plan)
+    from sftflow.tasks.train.model import preflight  # torch and transformers: only once a run is launched
+
+    preflight(config.model, packed=plan.mode == "packed", overrides=config.model_overrides)
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()
     cmd = torchrun_command(config, run_dir)
     logger.info("launching: %s", " ".join(cmd))
-    plan_steps = load_plan(config.plan).num_steps
+    plan_steps = plan.num_steps
     total = plan_steps if config.max_steps is None else min(config.max_steps, plan_steps)
     progress = _Progress(run_dir / "metrics.jsonl", total, enabled=_in_prefect_run())
     code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -27,17 +28,30 @@ from torch import nn
 from sftflow.kernels.attention import varlen_attention
 from sftflow.kernels.cross_entropy import linear_cross_entropy
 from sftflow.tasks.train.collate import IGNORE_INDEX
+from sftflow.tasks.train.families import KNOWN_ATTENTION_KWARGS, check_config, router_aux_loss_coef
+from sftflow.tasks.train.weights import CheckpointFiles, meta_model, shard_loadable
 
 log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "sftflow_varlen"
 PRESETS = ("tiny-llama",)
-# Config fields that change the logits after the LM head; the fused loss does not apply them, so refuse such models.
-_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _window(module, kwargs) -> int | None:
+    """The layer's sliding window, read as the model hands it over: the `sliding_window` keyword (Mistral, Phi-3,
+    Qwen2/3, Gemma 3 pass it, None on full-attention layers), else the attention module's attribute."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    return None if window is None else int(window)
 
 
 def _packed_qkv(module, query, key, value, dropout, kwargs):
-    """q (T, H, D), k and v (T, K, D), cu_seqlens and max_seqlen of one packed row, checked."""
+    """q (T, H, D), k and v (T, K, D), cu_seqlens, max_seqlen and the sliding window of one packed row, checked."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in KNOWN_ATTENTION_KWARGS and v is not None)
+    if unknown:
+        raise ValueError(
+            f"attention '{ATTENTION_NAME}': {type(module).__name__} passes {unknown}, which the varlen attention does "
+            "not implement; train this model with plan mode 'padded'"
+        )
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
     if cu_seqlens is None or max_seqlen is None:
@@ -49,18 +63,16 @@ def _packed_qkv(module, query, key, value, dropout, kwargs):
         raise ValueError(f"attention '{ATTENTION_NAME}' takes one packed row, got batch size {query.shape[0]}")
     if dropout:
         raise ValueError(f"attention '{ATTENTION_NAME}' has no dropout; set the model's attention_dropout to 0")
-    if getattr(module, "sliding_window", None):
-        raise ValueError(f"attention '{ATTENTION_NAME}' does not implement sliding windows ({type(module).__name__})")
     # squeeze, not [0]: a select's backward writes the gradient into a zero-filled (1, H, T, D) buffer with a strided
     # copy, for q, k and v of every layer (~0.5 ms of a 1B-model step on an H200); a squeeze's backward is a view.
     q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
-    return q, k, v, cu_seqlens, max_seqlen
+    return q, k, v, cu_seqlens, max_seqlen, _window(module, kwargs)
 
 
 def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Hugging Face attention function: `query` (1, H, T, D), `key`/`value` (1, K, T, D) -> ((1, T, H, D), None)."""
-    q, k, v, cu_seqlens, max_seqlen = _packed_qkv(module, query, key, value, dropout, kwargs)
-    out_THD = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling)
+    q, k, v, cu_seqlens, max_seqlen, window = _packed_qkv(module, query, key, value, dropout, kwargs)
+    out_THD = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling, window)
     return out_THD.unsqueeze(0), None
 
 
@@ -69,9 +81,9 @@ def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropo
     compiled layer traces into its graph (`sftflow.tasks.train.compile`)."""
     from sftflow.kernels.attention_triton import triton_varlen_attention
 
-    q, k, v, cu_seqlens, max_seqlen = _packed_qkv(module, query, key, value, dropout, kwargs)
+    q, k, v, cu_seqlens, max_seqlen, window = _packed_qkv(module, query, key, value, dropout, kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])  # varlen_attention's default
-    return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale).unsqueeze(0), None
+    return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window).unsqueeze(0), None
 
 
 def register_attention() -> None:
@@ -87,45 +99,82 @@ def _attn_implementation(packed: bool) -> str:
     return "sdpa"
 
 
-def build_model(spec: str, *, vocab_size: int | None, packed: bool, overrides: dict | None = None) -> nn.Module:
-    """A causal LM in fp32 on CPU (FSDP moves it to the mesh's device): from a preset, a config.json, a local
-    folder or a hub id. Call `torch.manual_seed` first: every rank must build identical random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_config(spec: str, *, vocab_size: int | None, overrides: dict | None = None):
+    """The Hugging Face config of `spec` (a preset, a config.json, a local folder or a hub id), without weights."""
+    from transformers import AutoConfig
 
-    attn = _attn_implementation(packed)
     overrides = dict(overrides or {})
     if spec == "tiny-llama":
         from sftflow.tasks.tiny import tiny_llama_config
 
         if vocab_size is None:
             raise ValueError("model='tiny-llama' needs the vocabulary size of the data or a tokenizer")
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size, **overrides), attn_implementation=attn)
-    elif spec.endswith(".json") and Path(spec).is_file():
-        config = AutoConfig.from_pretrained(spec, **overrides)
+        return tiny_llama_config(vocab_size, **overrides)
+    return AutoConfig.from_pretrained(spec, **overrides)
+
+
+def preflight(spec: str, *, packed: bool, overrides: dict | None = None) -> None:
+    """The model checks the worker makes, run before launching it: from the config alone (no weights are read), so a
+    model the worker would refuse fails here with one located line instead of after torchrun has started."""
+    # A preset's vocabulary comes from the data inside the worker; its structure is all that is checked here.
+    config = model_config(spec, vocab_size=1 if spec in PRESETS else None, overrides=overrides)
+    check_config(config, packed=packed, spec=spec)
+
+
+def build_model(spec: str, *, vocab_size: int | None, packed: bool, overrides: dict | None = None) -> nn.Module:
+    """A causal LM in fp32 on CPU (FSDP moves it to the mesh's device): from a preset, a config.json, a local
+    folder or a hub id. Call `torch.manual_seed` first: every rank must build identical random weights."""
+    from transformers import AutoModelForCausalLM
+
+    attn = _attn_implementation(packed)
+    if spec in PRESETS or (spec.endswith(".json") and Path(spec).is_file()):
+        config = model_config(spec, vocab_size=vocab_size, overrides=overrides)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     else:
+        overrides = dict(overrides or {})
         model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=torch.float32, **overrides)
     model = model.to(torch.float32)
     check_model(model, packed=packed, vocab_size=vocab_size, spec=spec)
     return model
 
 
+def build_training_model(
+    spec: str, *, vocab_size: int | None, packed: bool, overrides: dict | None = None
+) -> tuple[nn.Module, CheckpointFiles | None]:
+    """The model the worker trains, and where its weights are when they are still to be read.
+
+    A local Hugging Face folder with safetensors weights is built on the meta device, and the checkpoint files come
+    back with it: `sftflow.tasks.train.weights.materialize` reads each rank's rows once the model is sharded. Anything
+    else (presets, config.json, hub ids, renamed or non-safetensors checkpoints) is `build_model`'s fp32 CPU model,
+    and None.
+    """
+    files = CheckpointFiles.find(spec) if Path(spec).is_dir() else None
+    if files is None:
+        return build_model(spec, vocab_size=vocab_size, packed=packed, overrides=overrides), None
+    config = model_config(spec, vocab_size=vocab_size, overrides=overrides)
+    lm = meta_model(config, _attn_implementation(packed))
+    missing = shard_loadable(lm, files)
+    if missing:
+        log.info(
+            "%s: the checkpoint names tensors differently from the model (%s, ...); loading it whole on each rank",
+            spec,
+            ", ".join(missing[:3]),
+        )
+        return build_model(spec, vocab_size=vocab_size, packed=packed, overrides=overrides), None
+    check_model(lm, packed=packed, vocab_size=vocab_size, spec=spec)
+    return lm, files
+
+
 def check_model(model: nn.Module, *, packed: bool, vocab_size: int | None, spec: str) -> None:
     config = model.config
+    check_config(config, packed=packed, spec=spec)
     if packed and not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"model {spec!r} ({type(model).__name__}) cannot run a custom attention function, so packed rows would "
             "attend across documents; make the plan with mode='padded'"
         )
-    for name in _UNSUPPORTED_LOGIT_TRANSFORMS:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ValueError(
-                f"model {spec!r}: config.{name}={getattr(config, name)} is not supported by the fused loss"
-            )
     if vocab_size is not None and config.vocab_size < vocab_size:
         raise ValueError(f"model {spec!r} has vocab_size={config.vocab_size} but the data has ids up to {vocab_size}")
-    if getattr(config, "attention_dropout", 0.0):
-        log.warning("model %r: attention_dropout=%s is ignored by varlen attention", spec, config.attention_dropout)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -149,6 +198,7 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
+        self.router_aux_loss_coef = router_aux_loss_coef(lm.config)
 
     def forward(
         self, input_ids, position_ids, labels, attention_mask=None, cu_seqlens=None, max_seqlen=None, loss_rows=None
@@ -158,6 +208,8 @@ class CausalLMLoss(nn.Module):
             attn_kwargs = dict(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
             )
+        if self.router_aux_loss_coef is not None:
+            attn_kwargs["output_router_logits"] = True
         out = self.lm.base_model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -166,7 +218,20 @@ class CausalLMLoss(nn.Module):
             **attn_kwargs,
         )
         weight = self.lm.get_output_embeddings().weight
-        return linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
+        loss_sum = linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
+        if self.router_aux_loss_coef is not None:
+            loss_sum = loss_sum + self._router_loss(out.router_logits, attention_mask, labels, loss_rows)
+        return loss_sum
+
+    def _router_loss(self, router_logits, attention_mask, labels, loss_rows) -> torch.Tensor:
+        """The model's own load-balancing loss over this micro-batch's tokens, times its coefficient, as a sum over
+        trained targets: the step divides by its trained-token count, so a step of one micro-batch gets exactly the
+        `loss + router_aux_loss_coef * aux_loss` of the model's forward, and several get the token-weighted mean."""
+        config = self.lm.config
+        balance = sys.modules[type(self.lm).__module__].load_balancing_loss_func
+        aux = balance(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
+        targets = loss_rows.numel() if loss_rows is not None else (labels != IGNORE_INDEX).sum()
+        return self.router_aux_loss_coef * aux * targets
 
 
 def model_batch(batch: dict, device: torch.device, vocab_size: int | None = None) -> dict:

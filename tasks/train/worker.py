@@ -35,14 +35,22 @@ from sftflow.tasks.train.checkpoint import (
     OptimizerState,
     Progress,
     SchedulerState,
+    restores_model,
 )
 from sftflow.tasks.train.compile import compile_layers, resolve_compile
 from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
-from sftflow.tasks.train.model import attention_width, build_model, count_params, decoder_layers, model_batch
+from sftflow.tasks.train.model import (
+    attention_width,
+    build_training_model,
+    count_params,
+    decoder_layers,
+    model_batch,
+)
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
+from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
 log = logging.getLogger("sftflow.train")
 
@@ -70,15 +78,30 @@ def resolve_parallel(parallel: str, env: DistEnv) -> str:
     return parallel
 
 
-def parallelize(lm: torch.nn.Module, env: DistEnv, parallel: str, param_dtype: torch.dtype, c: cfg.OptimConfig):
+def parallelize(
+    lm: torch.nn.Module,
+    env: DistEnv,
+    parallel: str,
+    param_dtype: torch.dtype,
+    c: cfg.OptimConfig,
+    weights: CheckpointFiles | None = None,
+    on_meta: bool = False,
+):
     """The training module (`CausalLMLoss` root), its optimizer and the `model` checkpoint component, for `parallel`
-    (resolved): FSDP2 with fused AdamW, or one device with bf16 weights and `MasterAdamW`."""
+    (resolved): FSDP2 with fused AdamW, or one device with bf16 weights and `MasterAdamW`.
+
+    A model `on_meta` gets its storage here, after sharding, and its weights from `weights` (each rank its rows);
+    with `weights` None it is left for a checkpoint to fill."""
     if parallel == "single":
+        if on_meta:
+            materialize(lm, lm, env.device, weights)
         model, optimizer = single_device_model(
             lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps
         )
         return model, optimizer, MasterModelState(lm, optimizer)
     model = shard_model(lm, env, param_dtype)
+    if on_meta:
+        materialize(model, lm, env.device, weights)
     return model, build_optimizer(model, c), ModelState(lm)
 
 
@@ -288,14 +311,20 @@ def train(run_dir: Path) -> None:
     batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id)
     total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
 
-    lm = build_model(config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides)
+    lm, weights = build_training_model(
+        config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides
+    )
     compiled = resolve_compile(config.compile, env.device)
     param_dtype = compute_dtype(env, config.dtype)
     if compiled:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
     optim_c = cfg.optim_config(config)
     parallel = resolve_parallel(config.parallel, env)
-    model, optimizer, model_state = parallelize(lm, env, parallel, param_dtype, optim_c)
+    checkpoint_c = cfg.checkpoint_config(config)
+    # Weights a checkpoint is about to replace are not read.
+    weights = None if restores_model(checkpoint_c) else weights
+    on_meta = any(p.is_meta for p in lm.parameters())
+    model, optimizer, model_state = parallelize(lm, env, parallel, param_dtype, optim_c, weights, on_meta)
     schedule_c = cfg.schedule_config(config, total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
     progress = Progress()
@@ -305,7 +334,7 @@ def train(run_dir: Path) -> None:
         "lr_scheduler": SchedulerState(scheduler),
         "progress": progress,
     }
-    checkpointer = Checkpointer(cfg.checkpoint_config(config), states, is_main=env.is_main)
+    checkpointer = Checkpointer(checkpoint_c, states, is_main=env.is_main)
     how = checkpointer.restore()
     n_params, n_dense = count_params(lm)
     metrics = MetricsLogger(

@@ -1,5 +1,7 @@
 """The whole `sft` pipeline on Prefect's real engine with a real torchrun worker: caching across runs, what a config
-change reruns, and resuming a failed training run from its checkpoint without redoing data or plan."""
+change reruns, and resuming a failed training run from its checkpoint without redoing data or plan.
+
+The base model is a local Hugging Face folder (a tiny Qwen3 with the family's real structure), as users bring one."""
 
 from __future__ import annotations
 
@@ -12,23 +14,17 @@ from sftflow.flows.config import SFTConfig
 from sftflow.flows.sft import sft
 from tests.flows.conftest import RecordedTaskRuns
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
+DEMO_RECORDS = 160
 
 
 def _config(work_dir: Path, **train) -> SFTConfig:
     return SFTConfig.model_validate(
         {
             "work_dir": str(work_dir),
-            "demo": {"records": 160},
+            "demo": {"records": DEMO_RECORDS},
             "plan": {"tokens_per_rank": 512, "epochs": 1},
             "train": {
-                "model_overrides": TINY,
+                "model": str(work_dir / "base-model"),
                 "lr": 1e-3,
                 "max_steps": 6,
                 "checkpoint_every": 2,
@@ -42,7 +38,16 @@ def _config(work_dir: Path, **train) -> SFTConfig:
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.demo import write_demo
+    from tests.tasks.family_configs import save_family_model
+
     work = tmp_path_factory.mktemp("sft")
+    # The demo's data and tokenizer, as the flow writes them (it reuses what is there), and a base model over its
+    # vocabulary.
+    demo = write_demo(work / "demo", n=DEMO_RECORDS, seed=0)
+    save_family_model("qwen3", len(AutoTokenizer.from_pretrained(demo["tokenizer"])), work / "base-model")
     with RecordedTaskRuns() as runs:
         state = sft(config=_config(work), return_state=True)
     return work, state, runs.states()
