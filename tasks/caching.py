@@ -2,8 +2,9 @@
 
 A stage's cache key is a hash of
   - the stage name and its format version,
-  - a fingerprint of the source code of the modules that implement it (TASK_SOURCE alone hashes only the thin task
-    body, so a change in the plain function underneath would go unnoticed),
+  - a fingerprint of the source code of every sftflow module the stage runs: the import closure of its entry modules,
+    found from their import statements (`sftflow.tasks.code_closure`), not a hand-kept list (TASK_SOURCE alone hashes
+    only the thin task body, so a change in the plain function underneath, or in a kernel, would go unnoticed),
   - its inputs, where manifests contribute their content hashes (never bare paths).
 
 Plain `INPUTS` is not enough: two different tasks with equal arguments would share a key.
@@ -15,28 +16,20 @@ or changed, the policy returns no key, the task runs again and rewrites the same
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import os
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
-from sftflow.tasks.fingerprint import sha256_file, sha256_json, sha256_text
+from sftflow.tasks import code_closure
+from sftflow.tasks.fingerprint import sha256_file, sha256_json
 
 CHECKSUMS = "CHECKSUMS"
 MANIFEST = "manifest.json"
-
-
-@cache
-def code_fingerprint(*module_names: str) -> str:
-    sources = [inspect.getsource(importlib.import_module(name)) for name in sorted(module_names)]
-    return sha256_text("\n".join(sources))
 
 
 def _normalise(value: Any) -> Any:
@@ -51,11 +44,11 @@ def _normalise(value: Any) -> Any:
     return value
 
 
-def stage_key(stage: str, version: str, modules: tuple[str, ...], inputs: dict[str, Any]) -> str:
+def stage_key(stage: str, version: str, entries: tuple[str, ...], inputs: dict[str, Any]) -> str:
     payload = {
         "stage": stage,
         "version": version,
-        "code": code_fingerprint(*modules),
+        "code": code_closure.cached_code_fingerprint(entries),
         "inputs": {k: _normalise(v) for k, v in sorted(inputs.items()) if k not in _NOT_KEYED},
     }
     return sha256_json(payload)[:24]
@@ -118,10 +111,11 @@ class StageCache(CachePolicy):
 
     stage: str = ""
     version: str = "1"
-    modules: tuple[str, ...] = ()
+    # The modules the stage starts from: the task's module, and any run by name (the torchrun worker).
+    entries: tuple[str, ...] = ()
 
     def key_for(self, inputs: dict[str, Any]) -> str:
-        return stage_key(self.stage, self.version, self.modules, inputs)
+        return stage_key(self.stage, self.version, self.entries, inputs)
 
     def output_dir(self, inputs: dict[str, Any]) -> Path:
         return stage_dir(inputs["work_dir"], self.stage, self.key_for(inputs))

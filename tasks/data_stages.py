@@ -112,23 +112,12 @@ def _inject_fault(stage: str) -> None:
         raise OSError(f"injected transient I/O error in {stage}")
 
 
-_MODULES = ("sftflow.tasks.data_stages", "sftflow.tasks.caching", "sftflow.tasks.manifests")
-RENDER_CACHE = StageCache(
-    stage="render",
-    version="1",
-    modules=(
-        *_MODULES,
-        "sftflow.tasks.render",
-        "sftflow.tasks.sharding",
-        "sftflow.tasks.formats",
-        "sftflow.tasks.chat_template",
-    ),
-)
-SPANS_CACHE = StageCache(
-    stage="spans", version="1", modules=(*_MODULES, "sftflow.tasks.spans", "sftflow.tasks.bpe_fast")
-)
-PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), modules=(*_MODULES, "sftflow.tasks.pbin"))
-INDEX_CACHE = StageCache(stage="index", version="1", modules=(*_MODULES, "sftflow.tasks.index"))
+# The four data stages share this module (their tasks), so each key covers all of data preparation's code.
+_ENTRIES = (__name__,)
+RENDER_CACHE = StageCache(stage="render", version="1", entries=_ENTRIES)
+SPANS_CACHE = StageCache(stage="spans", version="1", entries=_ENTRIES)
+PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), entries=_ENTRIES)
+INDEX_CACHE = StageCache(stage="index", version="1", entries=_ENTRIES)
 
 
 @task(name="render", cache_policy=RENDER_CACHE, task_run_name="render-{source.name}", **RETRY, **RESULTS)

@@ -82,16 +82,7 @@ def evaluate_run(
     return result, out_dir / "report.json"
 
 
-EVAL_CACHE = StageCache(
-    stage="eval",
-    version="1",
-    modules=(
-        "sftflow.tasks.eval_stage",
-        "sftflow.tasks.evaluate",
-        "sftflow.tasks.eval_report",
-        "sftflow.tasks.caching",
-    ),
-)
+EVAL_CACHE = StageCache(stage="eval", version="1", entries=(__name__,))
 
 
 @task(

@@ -32,7 +32,7 @@ def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, sp
 PLAN_CACHE = StageCache(
     stage="plan",
     version=str(PLAN_FORMAT_VERSION),
-    modules=("sftflow.tasks.plan_stage", "sftflow.tasks.plan", "sftflow.tasks.packing", "sftflow.tasks.caching"),
+    entries=(__name__,),
 )
 
 

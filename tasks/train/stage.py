@@ -20,26 +20,8 @@ from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig
 from sftflow.tasks.train.launch import TrainResult, train
 
-TRAIN_CACHE = StageCache(
-    stage="train",
-    version="1",
-    modules=(
-        "sftflow.tasks.train.stage",
-        "sftflow.tasks.train.launch",
-        "sftflow.tasks.train.worker",
-        "sftflow.tasks.train.model",
-        "sftflow.tasks.train.fsdp",
-        "sftflow.tasks.train.single_device",
-        "sftflow.tasks.train.checkpoint",
-        "sftflow.tasks.train.collate",
-        "sftflow.tasks.train.data",
-        "sftflow.tasks.train.compile",
-        "sftflow.kernels.attention",
-        "sftflow.kernels.cross_entropy",
-        "sftflow.kernels.rope",
-        "sftflow.kernels.adamw",
-    ),
-)
+# The worker runs by name (`torchrun -m`), so it is an entry of its own beside this module.
+TRAIN_CACHE = StageCache(stage="train", version="1", entries=(__name__, "sftflow.tasks.train.worker"))
 
 # Only the export and the metrics are checked before a cached run is trusted: hashing every checkpoint of a large
 # model on each lookup would cost minutes, and checkpoints are not what later stages read.

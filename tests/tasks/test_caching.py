@@ -5,7 +5,7 @@ from __future__ import annotations
 from sftflow.tasks.caching import outputs_valid, stage_key, write_checksums
 from sftflow.tasks.manifests import PbinShard
 
-MODULES = ("sftflow.tasks.caching",)
+ENTRIES = ("sftflow.tasks.caching",)
 
 
 def _shard(sha: str) -> PbinShard:
@@ -17,12 +17,12 @@ def _shard(sha: str) -> PbinShard:
 
 def test_key_follows_content_not_run_details():
     base = {"shard": _shard("a" * 64), "config": {"lr": 1e-3}, "work_dir": "w"}
-    key = stage_key("train", "1", MODULES, base)
-    assert key == stage_key("train", "1", MODULES, {**base, "fault": "crash_after_step=3", "node_rank": 1})
-    assert key != stage_key("train", "1", MODULES, {**base, "shard": _shard("b" * 64)})
-    assert key != stage_key("train", "1", MODULES, {**base, "config": {"lr": 2e-3}})
-    assert key != stage_key("train", "2", MODULES, base)  # a format version bump
-    assert key != stage_key("plan", "1", MODULES, base)  # equal inputs, another stage: unlike plain INPUTS
+    key = stage_key("train", "1", ENTRIES, base)
+    assert key == stage_key("train", "1", ENTRIES, {**base, "fault": "crash_after_step=3", "node_rank": 1})
+    assert key != stage_key("train", "1", ENTRIES, {**base, "shard": _shard("b" * 64)})
+    assert key != stage_key("train", "1", ENTRIES, {**base, "config": {"lr": 2e-3}})
+    assert key != stage_key("train", "2", ENTRIES, base)  # a format version bump
+    assert key != stage_key("plan", "1", ENTRIES, base)  # equal inputs, another stage: unlike plain INPUTS
 
 
 def test_outputs_valid_detects_missing_and_changed_files(tmp_path):
