@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,11 +56,15 @@ def _notice(message: str) -> None:
     typer.secho(message, err=True, fg=typer.colors.BLUE)
 
 
-def _prefect_api():
-    """The Prefect API the command's flows run against (`sftflow.flows.local_api`)."""
+@contextmanager
+def _flow_session(work_dir: str | Path):
+    """What a command that runs flows holds while they run: the work folder's lock (taken first, so a busy folder is
+    refused at once, without a Prefect API), then the Prefect API (`sftflow.flows.local_api`)."""
     from sftflow.flows.local_api import prefect_api
+    from sftflow.flows.results import work_dir_lock
 
-    return prefect_api(notice=_notice)
+    with work_dir_lock(Path(work_dir).resolve()), prefect_api(notice=_notice):
+        yield
 
 
 def _load_yaml(path: Path | None) -> dict[str, Any]:
@@ -138,7 +143,7 @@ def data(
     if "sources" not in raw or "tokenizer" not in raw:
         raise ValueError("--source and --tokenizer are required (or set `sources` and `tokenizer` in --config)")
     data_config = DataConfig.model_validate(raw)
-    with _prefect_api():
+    with _flow_session(out):
         result = run_data(data_config, str(out), force=force)
     typer.echo(json.dumps(result.summary(), indent=2))
 
@@ -211,7 +216,7 @@ def plan(
 
         section = PlanSection.model_validate(config.model_dump(include=set(PlanSection.model_fields)))
         cfg = SFTConfig(work_dir=str(out.resolve()), plan=section)
-        with _prefect_api():
+        with _flow_session(out):
             manifest = sft_plan(config=cfg, data=load_data_result(data))
         plan_stats = manifest.stats
         shutil.copyfile(manifest.path, out / "plan.npz")
@@ -362,7 +367,7 @@ def run(
     cfg = SFTConfig.from_yaml(config) if config else demo_config()
     if work_dir:
         cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
-    with _prefect_api():
+    with _flow_session(cfg.work_dir):
         result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [])
     typer.echo(_final_report(result))
 

@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.config import DataConfig, SFTConfig, data_config, resolve_config
-from sftflow.flows.results import read_stage_result, write_stage_result
+from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.data_stages import (
     SourceFile,
     TokenizerRef,
@@ -115,52 +115,57 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
     cfg = resolve_config(config_path, config)
     work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    dcfg = data_config(cfg)
-    tokenizer = tokenizer_ref(dcfg.tokenizer, work)
-    # Shards in source order, each source's in file order: merged in that order, the index does not depend on them.
-    sources: list[SourceFile] = [
-        shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)
-    ]
-    template_sha = template_sha256(dcfg.render, tokenizer)
-    logger.info(
-        "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
-        len(dcfg.sources),
-        len(sources),
-        template_sha[:12],
-        tokenizer.path,
-        dcfg.task_runner,
-    )
+    with work_dir_lock(work):
+        dcfg = data_config(cfg)
+        tokenizer = tokenizer_ref(dcfg.tokenizer, work)
+        # Shards in source order, each source's in file order: merged in that order, the index does not depend on them.
+        sources: list[SourceFile] = [
+            shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)
+        ]
+        template_sha = template_sha256(dcfg.render, tokenizer)
+        logger.info(
+            "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
+            len(dcfg.sources),
+            len(sources),
+            template_sha[:12],
+            tokenizer.path,
+            dcfg.task_runner,
+        )
 
-    options = {"refresh_cache": True} if force else {}
-    render, spans, pbin, index = (t.with_options(**options) for t in (render_task, spans_task, pbin_task, index_task))
-    wd = str(work)
-    # Per-shard stages run on the configured runner (threads, processes or Dask); each stage is a barrier, which keeps
-    # futures from crossing runners and costs nothing when shards are of similar size.
-    with api_for_workers(dcfg), make_task_runner(dcfg) as runner:
-        rendered = runner.map(
-            render,
-            dict(
-                source=sources,
-                tokenizer=unmapped(tokenizer),
-                template_sha=unmapped(template_sha),
-                config=unmapped(dcfg.render),
-                work_dir=unmapped(wd),
-            ),
-        ).result()
-        tokenized = runner.map(
-            spans,
-            dict(rendered=rendered, tokenizer=unmapped(tokenizer), config=unmapped(dcfg.spans), work_dir=unmapped(wd)),
-        ).result()
-        shards = runner.map(
-            pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
-        ).result()
-    dataset_index = index(shards, dcfg.index, wd)
-    result = DataResult(
-        work_dir=wd, tokenizer=tokenizer, rendered=rendered, tokenized=tokenized, pbin=shards, index=dataset_index
-    )
-    write_stage_result(work, "data", result)
-    logger.info("sft-data: %s", json.dumps(result.summary()))
-    return result
+        options = {"refresh_cache": True} if force else {}
+        render, spans, pbin, index = (
+            t.with_options(**options) for t in (render_task, spans_task, pbin_task, index_task)
+        )
+        wd = str(work)
+        # Per-shard stages run on the configured runner (threads, processes or Dask); each stage is a barrier, which
+        # keeps futures from crossing runners and costs nothing when shards are of similar size.
+        with api_for_workers(dcfg), make_task_runner(dcfg) as runner:
+            rendered = runner.map(
+                render,
+                dict(
+                    source=sources,
+                    tokenizer=unmapped(tokenizer),
+                    template_sha=unmapped(template_sha),
+                    config=unmapped(dcfg.render),
+                    work_dir=unmapped(wd),
+                ),
+            ).result()
+            tokenized = runner.map(
+                spans,
+                dict(
+                    rendered=rendered, tokenizer=unmapped(tokenizer), config=unmapped(dcfg.spans), work_dir=unmapped(wd)
+                ),
+            ).result()
+            shards = runner.map(
+                pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
+            ).result()
+        dataset_index = index(shards, dcfg.index, wd)
+        result = DataResult(
+            work_dir=wd, tokenizer=tokenizer, rendered=rendered, tokenized=tokenized, pbin=shards, index=dataset_index
+        )
+        write_stage_result(work, "data", result)
+        logger.info("sft-data: %s", json.dumps(result.summary()))
+        return result
 
 
 def load_data_result(work_dir: str | Path) -> DataResult:

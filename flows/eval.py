@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
-from sftflow.flows.results import write_stage_result
+from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result
 from sftflow.tasks.eval_stage import EvalReport, ModelRef, eval_task
 from sftflow.tasks.fingerprint import sha256_tree
@@ -26,41 +26,42 @@ def sft_eval(
     """Evaluate the tuned model (and the base, side by side). Inputs default to the work folder's latest results."""
     cfg = resolve_config(config_path, config)
     work = Path(cfg.work_dir).resolve()
-    data = data or load_data_result(work)
-    train = train or load_train_result(work)
-    if train.hf_dir is None:
-        raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
-    tuned = ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
-    base = None
-    if cfg.eval.compare_base:
-        spec = cfg.train.model
-        base = ModelRef(
-            spec=spec,
-            sha256=sha256_tree(spec) if Path(spec).exists() else None,
-            seed=cfg.train.seed,
-            overrides=cfg.train.model_overrides,
+    with work_dir_lock(work):
+        data = data or load_data_result(work)
+        train = train or load_train_result(work)
+        if train.hf_dir is None:
+            raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
+        tuned = ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
+        base = None
+        if cfg.eval.compare_base:
+            spec = cfg.train.model
+            base = ModelRef(
+                spec=spec,
+                sha256=sha256_tree(spec) if Path(spec).exists() else None,
+                seed=cfg.train.seed,
+                overrides=cfg.train.model_overrides,
+            )
+        task = eval_task.with_options(refresh_cache=True) if force else eval_task
+        report = task(
+            tuned,
+            base,
+            data.index,
+            data.tokenizer.path,
+            data.tokenizer.sha256,
+            cfg.eval,
+            train.metrics_path,
+            train.steps,
+            str(work),
         )
-    task = eval_task.with_options(refresh_cache=True) if force else eval_task
-    report = task(
-        tuned,
-        base,
-        data.index,
-        data.tokenizer.path,
-        data.tokenizer.sha256,
-        cfg.eval,
-        train.metrics_path,
-        train.steps,
-        str(work),
-    )
-    write_stage_result(work, "eval", report)
-    for name, m in report.metrics.items():
-        exact = "n/a" if m["exact_match"] is None else f"{m['exact_match']:.3f}"
-        get_run_logger().info(
-            "sft-eval %-5s loss %.4f  ppl %.2f  token acc %.3f  exact match %s",
-            name,
-            m["loss"],
-            m["perplexity"],
-            m["token_accuracy"],
-            exact,
-        )
-    return report
+        write_stage_result(work, "eval", report)
+        for name, m in report.metrics.items():
+            exact = "n/a" if m["exact_match"] is None else f"{m['exact_match']:.3f}"
+            get_run_logger().info(
+                "sft-eval %-5s loss %.4f  ppl %.2f  token acc %.3f  exact match %s",
+                name,
+                m["loss"],
+                m["perplexity"],
+                m["token_accuracy"],
+                exact,
+            )
+        return report

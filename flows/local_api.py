@@ -96,9 +96,9 @@ def read_record(folder: Path) -> ServerRecord | None:
 
 
 def _write_record(folder: Path, record: ServerRecord) -> None:
-    tmp = folder / f".server.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record.__dict__, indent=2) + "\n")
-    os.replace(tmp, folder / "server.json")
+    from sftflow.tasks.atomic import write_atomic
+
+    write_atomic(folder / "server.json", json.dumps(record.__dict__, indent=2) + "\n")
 
 
 def _free_port() -> int:

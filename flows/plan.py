@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 
 from sftflow.flows.config import SFTConfig, plan_config, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
-from sftflow.flows.results import read_stage_result, write_stage_result
+from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.plan_stage import PlanManifest, plan_task
 
 
@@ -23,19 +23,20 @@ def sft_plan(
     """Plan the train split. `data` defaults to the work folder's latest `sft-data` result."""
     cfg = resolve_config(config_path, config, epochs=epochs)
     work = Path(cfg.work_dir).resolve()
-    data = data or load_data_result(work)
-    task = plan_task.with_options(refresh_cache=True) if force else plan_task
-    manifest = task(data.index, plan_config(cfg), str(work))
-    write_stage_result(work, "plan", manifest)
-    s = manifest.stats
-    get_run_logger().info(
-        "sft-plan: %d steps, efficiency %.2f%%, token imbalance %.3f, cost imbalance %.3f",
-        s.num_steps,
-        100 * s.efficiency,
-        s.token_imbalance,
-        s.cost_imbalance,
-    )
-    return manifest
+    with work_dir_lock(work):
+        data = data or load_data_result(work)
+        task = plan_task.with_options(refresh_cache=True) if force else plan_task
+        manifest = task(data.index, plan_config(cfg), str(work))
+        write_stage_result(work, "plan", manifest)
+        s = manifest.stats
+        get_run_logger().info(
+            "sft-plan: %d steps, efficiency %.2f%%, token imbalance %.3f, cost imbalance %.3f",
+            s.num_steps,
+            100 * s.efficiency,
+            s.token_imbalance,
+            s.cost_imbalance,
+        )
+        return manifest
 
 
 def load_plan_result(work_dir: str | Path) -> PlanManifest:

@@ -5,22 +5,26 @@ A stage flow run alone (a deployment rerun) reads its inputs from here, so it ne
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel
 
+from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.locks import exclusive
+
 M = TypeVar("M", bound=BaseModel)
 
 
+def work_dir_lock(work_dir: str | Path, node_rank: int = 0):
+    """Held by every flow while it writes into `work_dir`: a second run on the same folder is refused with the
+    holder's PID and host (`sftflow.tasks.locks`). The nodes of one multi-node training run each hold their own."""
+    name = ".sftflow.lock" if node_rank == 0 else f".sftflow-node{node_rank}.lock"
+    return exclusive(Path(work_dir) / name, f"work_dir {work_dir}")
+
+
 def write_stage_result(work_dir: str | Path, stage: str, manifest: BaseModel) -> Path:
-    path = Path(work_dir) / f"{stage}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(work_dir) / f"{stage}.json", manifest.model_dump_json(indent=2))
 
 
 def read_stage_result(work_dir: str | Path, stage: str, model: type[M]) -> M:

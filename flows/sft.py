@@ -7,6 +7,8 @@ recompute regardless. A failed train stage resumes from its last checkpoint on t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
@@ -14,6 +16,7 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
+from sftflow.flows.results import work_dir_lock
 from sftflow.flows.train import sft_train
 from sftflow.tasks.eval_stage import EvalReport
 from sftflow.tasks.plan_stage import PlanManifest
@@ -51,8 +54,9 @@ def sft(
     if unknown:
         raise ValueError(f"force: unknown stage(s) {unknown}; expected some of {list(STAGES)}")
     cfg = resolve_config(config_path, config, learning_rate, max_steps, epochs)
-    data = sft_data(config=cfg, force="data" in force)
-    plan = sft_plan(config=cfg, force="plan" in force, data=data)
-    trained = sft_train(config=cfg, force="train" in force, fault=fault, data=data, plan=plan)
-    report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
+    with work_dir_lock(Path(cfg.work_dir).resolve()):
+        data = sft_data(config=cfg, force="data" in force)
+        plan = sft_plan(config=cfg, force="plan" in force, data=data)
+        trained = sft_train(config=cfg, force="train" in force, fault=fault, data=data, plan=plan)
+        report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
     return SFTResult(data=data, plan=plan, train=trained, eval=report)

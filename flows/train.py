@@ -9,7 +9,7 @@ from prefect import flow
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
-from sftflow.flows.results import read_stage_result, write_stage_result
+from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 from sftflow.tasks.train.stage import train_stage_task
@@ -32,14 +32,15 @@ def sft_train(
     """
     cfg = resolve_config(config_path, config, learning_rate=learning_rate, max_steps=max_steps)
     work = Path(cfg.work_dir).resolve()
-    data = data or load_data_result(work)
-    plan = plan or load_plan_result(work)
-    task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
-    options = cfg.train.model_dump(mode="json", exclude={"node_rank"})
-    tok, node_rank = data.tokenizer, cfg.train.node_rank
-    result = task(data.index, plan, tok.path, tok.sha256, options, str(work), fault=fault, node_rank=node_rank)
-    write_stage_result(work, "train", result)
-    return result
+    with work_dir_lock(work, cfg.train.node_rank):
+        data = data or load_data_result(work)
+        plan = plan or load_plan_result(work)
+        task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
+        options = cfg.train.model_dump(mode="json", exclude={"node_rank"})
+        tok, node_rank = data.tokenizer, cfg.train.node_rank
+        result = task(data.index, plan, tok.path, tok.sha256, options, str(work), fault=fault, node_rank=node_rank)
+        write_stage_result(work, "train", result)
+        return result
 
 
 def load_train_result(work_dir: str | Path) -> TrainResult:

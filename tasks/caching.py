@@ -17,7 +17,6 @@ or changed, the policy returns no key, the task runs again and rewrites the same
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
 from sftflow.tasks import code_closure
+from sftflow.tasks.atomic import PERMANENT_ERRNOS, is_temporary, write_atomic
 from sftflow.tasks.fingerprint import sha256_file, sha256_json
 
 CHECKSUMS = "CHECKSUMS"
@@ -71,11 +71,10 @@ def write_checksums(out_dir: Path, include: tuple[str, ...] | None = None) -> No
     lines = []
     roots = [out_dir] if include is None else [out_dir / name for name in include]
     files = {f for root in roots for f in ([root] if root.is_file() else root.rglob("*")) if f.is_file()}
-    for file in sorted(p for p in files if p.name != CHECKSUMS):
+    # A temporary file is another writer's (or a crashed one's) unfinished output, never part of this one.
+    for file in sorted(p for p in files if p.name != CHECKSUMS and not is_temporary(p)):
         lines.append(f"{sha256_file(file)}  {file.relative_to(out_dir)}")
-    tmp = out_dir / (CHECKSUMS + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out_dir / CHECKSUMS)
+    write_atomic(out_dir / CHECKSUMS, "\n".join(lines) + "\n")
 
 
 def outputs_valid(out_dir: Path) -> bool:
@@ -93,9 +92,7 @@ def outputs_valid(out_dir: Path) -> bool:
 
 
 def write_manifest(out_dir: Path, manifest: BaseModel) -> None:
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2))
-    os.replace(tmp, out_dir / MANIFEST)
+    write_atomic(out_dir / MANIFEST, manifest.model_dump_json(indent=2))
 
 
 def read_manifest(out_dir: Path, model: type[BaseModel]) -> BaseModel:
@@ -139,13 +136,14 @@ def _forget_record(task_ctx, key: str) -> None:
 
 
 def retry_on_io_error(task, task_run, state) -> bool:
-    """Retry transient I/O failures; bad input (ValueError, a missing file) is not retried."""
+    """Retry transient I/O failures; bad input (ValueError, a missing file) and a full disk, quota or read-only
+    filesystem (a retry meets the same) are not retried."""
     try:
         state.result()
     except FileNotFoundError:
         return False
-    except OSError:
-        return True
+    except OSError as err:
+        return err.errno not in PERMANENT_ERRNOS
     except Exception:
         return False
     return False

@@ -33,6 +33,14 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sftflow.tasks.template_limits import (
+    RenderLimits,
+    checked_binop,
+    lipsum_checked,
+    render_limited,
+    width_checked,
+)
+
 BUILTIN_TEMPLATES = ("chatml", "llama3")
 _GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Generation markers of any render; `_strip_markers` keeps only those carrying this render's nonce. One pattern for
@@ -111,10 +119,25 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with `*` and `**` checked against the render's output budget
+    (`sftflow.tasks.template_limits`)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator in self.intercepted_binops:
+            return checked_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+
 def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationExtension, jinja2.ext.loopcontrols]
     )
+    for name, argument in (("center", "width"), ("indent", "width"), ("wordwrap", "width")):
+        env.filters[name] = width_checked(env.filters[name], argument)
+    env.globals["lipsum"] = lipsum_checked(env.globals["lipsum"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -140,28 +163,42 @@ class ChatTemplate:
         self.has_generation_tag = bool(_GENERATION_TAG_RE.search(text))
 
     def render(
-        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = False,
+        limits: RenderLimits = RenderLimits(),
     ) -> tuple[str, list[tuple[int, int]]]:
         """Render `messages`; return the text and the half-open character spans of its generation blocks.
 
-        Raises `jinja2.TemplateError` (including `SecurityError`) from the template itself, and `ValueError` when
-        generation markers were altered by the template so that spans cannot be located.
+        Raises `jinja2.TemplateError` (including `SecurityError`) from the template itself, `RenderLimitError` when
+        the render passes its time or output budget (`limits`), and `ValueError` when generation markers were
+        altered by the template so that spans cannot be located.
         """
         tracker = _Tracker(nonce=secrets.token_hex(16))
         token = _TRACKER.set(tracker)
+        context = (
+            dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
+            | self.special_tokens
+        )
         try:
-            raw = self._compiled.render(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            raw = render_limited(self._compiled, context, limits, _size(messages) + _size(tools))
         finally:
             _TRACKER.reset(token)
         if tracker.blocks == 0:
             return raw, []
         return _strip_markers(raw, tracker, self.name)
+
+
+def _size(value) -> int:
+    """Characters of text in a conversation (strings, at any depth): what its rendering's output budget scales with."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 0
 
 
 def _strip_markers(raw: str, tracker: _Tracker, name: str) -> tuple[str, list[tuple[int, int]]]:

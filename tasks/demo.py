@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+from sftflow.tasks.atomic import atomic_writer
 from sftflow.tasks.tiny import train_tokenizer
 
 CAPITALS = {
@@ -103,11 +104,9 @@ def write_demo(out_dir: str | Path, n: int = 4000, seed: int = 0, vocab_size: in
     out.mkdir(parents=True, exist_ok=True)
     records = make_conversations(n, seed)
     data_path = out / "conversations.jsonl"
-    tmp = data_path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
+    with atomic_writer(data_path, "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-    tmp.replace(data_path)
     # The tokenizer sees the raw JSON lines: every role name, digit, word and tool-call brace appears there.
     tokenizer_dir = out / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():

@@ -41,10 +41,8 @@ import json
 import mmap
 import os
 import struct
-import uuid
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -52,6 +50,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from sftflow.tasks.atomic import atomic_writer
 from sftflow.tasks.records import TokenizedDoc
 
 FORMAT_VERSION = 1
@@ -298,34 +297,6 @@ def _header_base(header: dict[str, Any]) -> int:
 def _write(f: BinaryIO, digest: Any, data: bytes | memoryview) -> None:
     f.write(data)
     digest.update(data)
-
-
-@contextmanager
-def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
-    """Write `path` atomically: a temporary file in the same folder, fsync, rename over `path`, fsync the folder.
-
-    Readers see the old file or the new one, never a partial one; on error the temporary file is removed.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "xb") as f:  # "x": never clobber; default permissions (mkstemp would make it 0600)
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is atomic regardless
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(arr: np.ndarray | memoryview) -> str:

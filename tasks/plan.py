@@ -32,6 +32,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sftflow.tasks.atomic import atomic_writer
 from sftflow.tasks.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
 
 PLAN_FORMAT_VERSION = 1
@@ -356,15 +357,13 @@ def save_plan(arrays: PlanArrays, path: str | Path) -> None:
     path = Path(path)
     entries = {f.name: getattr(arrays, f.name) for f in fields(arrays)}
     entries["format_version"] = PLAN_FORMAT_VERSION
-    tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+    with atomic_writer(path) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as zf:
         for name, value in entries.items():
             buffer = io.BytesIO()
             np.lib.format.write_array(buffer, np.asarray(value), allow_pickle=False)
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             zf.writestr(info, buffer.getvalue())
-    tmp.replace(path)
 
 
 def load_plan(path: str | Path) -> PlanArrays:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sftflow.tasks.fingerprint import sha256_file
 from sftflow.tasks.index import IndexData, load_index
 from sftflow.tasks.pbin import PbinFile
 
@@ -104,8 +105,12 @@ class IndexedDataset:
     `torch.utils.data.Dataset` (duck-typed: `__len__` and `__getitem__`), including in forked or spawned workers.
     """
 
-    def __init__(self, index: str | Path | IndexData, split: str = "train"):
-        self.index = index if isinstance(index, IndexData) else load_index(index)
+    def __init__(self, index: str | Path | IndexData, split: str = "train", verify: bool = False):
+        """`verify=True` checks, before anything is read, that every index array and every shard file is byte for
+        byte what the index recorded (sha256): one read of the data, once per process."""
+        self.index = index if isinstance(index, IndexData) else load_index(index, verify=verify)
+        if verify:
+            self._verify_shards()
         self.split = split
         self.vocab_size: int | None = self.index.meta.get("vocab_size")
         self.ids = np.asarray(self.index.ids(split))
@@ -115,6 +120,14 @@ class IndexedDataset:
         self.loss_token_counts = np.asarray(self.index.loss_tokens)[self.ids]
         self.reader = DocumentReader(self.index.shard_paths)
         self._check_shards()
+
+    def _verify_shards(self) -> None:
+        for path, meta in zip(self.index.shard_paths, self.index.meta["shards"], strict=True):
+            if sha256_file(path) != meta["sha256"]:
+                raise ValueError(
+                    f"{path}: the shard changed since the dataset index {self.index.dir} was built (sha256 "
+                    "mismatch); rerun the data stage (sftflow data, or sftflow run --force data)"
+                )
 
     def _check_shards(self) -> None:
         """Cheap consistency check: the shards still have the documents and lengths the index recorded."""

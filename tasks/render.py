@@ -14,19 +14,21 @@ with any prefix-stable template: the span of message i is the text that renderin
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
 from jinja2.exceptions import SecurityError, TemplateError
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sftflow.tasks.atomic import atomic_writer
 from sftflow.tasks.chat_template import ChatTemplate, load_template
 from sftflow.tasks.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
 from sftflow.tasks.records import RenderedDoc
 from sftflow.tasks.sharding import SourceRange, iter_range_records
+from sftflow.tasks.template_limits import DEFAULT_OUTPUT_CHARS, DEFAULT_SECONDS, RenderLimitError, RenderLimits
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -44,6 +46,13 @@ class RenderConfig(BaseModel):
     text_spans: Literal["train", "exclude"] = "train"
     text_field: str = "text"
     spans_field: str = "spans"
+    # Limits: a template is untrusted code and a record untrusted data.
+    max_render_seconds: float = Field(DEFAULT_SECONDS, gt=0, description="wall time one record's render may take")
+    max_output_chars: int = Field(
+        DEFAULT_OUTPUT_CHARS, ge=1, description="rendered characters (or 10x the record's text, if larger)"
+    )
+    max_record_bytes: int = Field(64 * 2**20, ge=1, description="a JSONL line longer than this is a bad record")
+    max_nesting: int = Field(100, ge=1, description="a record nested deeper than this is a bad record")
 
     @field_validator("train_roles")
     @classmethod
@@ -82,16 +91,23 @@ def _alias_reasoning(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _render(template: ChatTemplate, conv: Conversation, messages, source: str, add_generation_prompt=False):
+def _render(
+    template: ChatTemplate, conv: Conversation, messages, source: str, limits: RenderLimits, add_generation_prompt=False
+):
     try:
-        return template.render(_alias_reasoning(messages), conv.tools, add_generation_prompt=add_generation_prompt)
+        return template.render(_alias_reasoning(messages), conv.tools, add_generation_prompt, limits)
     except SecurityError as err:
         raise TemplateProblem(f"chat template {template.name}: refused an unsafe operation: {err}") from err
+    except RenderLimitError as err:
+        raise TemplateProblem(
+            f"{source}: chat template {template.name} was stopped: {err}; see render.max_render_seconds and "
+            "render.max_output_chars"
+        ) from None
     except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as err:
         raise RecordError(source, "template", f"failed to render: {type(err).__name__}: {err}") from err
 
 
-def _generation_spans(template: ChatTemplate, conv: Conversation, source: str) -> RenderedDoc:
+def _generation_spans(template: ChatTemplate, conv: Conversation, source: str, limits: RenderLimits) -> RenderedDoc:
     if not template.has_generation_tag:
         raise TemplateProblem(
             f"chat template {template.name} has no {{% generation %}} tag, so mask_policy='generation' cannot tell "
@@ -99,7 +115,7 @@ def _generation_spans(template: ChatTemplate, conv: Conversation, source: str) -
             "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}, "
             "or use mask_policy='roles' with a prefix-stable template."
         )
-    text, spans = _render(template, conv, conv.messages, source)
+    text, spans = _render(template, conv, conv.messages, source, limits)
     for k, (start, end) in enumerate(spans):
         if end == start:
             raise RecordError(source, "messages", f"has an assistant turn (generation block {k}) empty after rendering")
@@ -113,15 +129,15 @@ def _first_difference(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source: str) -> RenderedDoc:
+def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source: str, limits) -> RenderedDoc:
     messages = conv.messages
     try:
-        previous = _render(template, conv, [], source)[0]
+        previous = _render(template, conv, [], source, limits)[0]
     except RecordError:  # many templates cannot render an empty conversation; its text is then empty
         previous = ""
     spans = []
     for i, message in enumerate(messages):
-        current = _render(template, conv, messages[: i + 1], source)[0]
+        current = _render(template, conv, messages[: i + 1], source, limits)[0]
         if not current.startswith(previous):
             at = _first_difference(previous, current)
             raise RecordError(
@@ -134,7 +150,7 @@ def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source:
         if message["role"] in train_roles:
             start = len(previous)
             if message["role"] == "assistant":
-                prompt = _render(template, conv, messages[:i], source, add_generation_prompt=True)[0]
+                prompt = _render(template, conv, messages[:i], source, limits, add_generation_prompt=True)[0]
                 if len(prompt) > start and current.startswith(prompt):
                     start = len(prompt)
             if len(current) <= start:
@@ -167,38 +183,39 @@ def render_record(
         return RenderedDoc(text=normalized.text, train_char_spans=tuple(normalized.train_char_spans), source=source)
     if template is None:
         raise TemplateProblem(f"{source}: format {fmt!r} needs a chat template; none was given")
+    limits = RenderLimits(seconds=config.max_render_seconds, output_chars=config.max_output_chars)
     if config.mask_policy == "generation":
-        return _generation_spans(template, normalized, source)
-    return _role_spans(template, normalized, config.train_roles, source)
+        return _generation_spans(template, normalized, source, limits)
+    return _role_spans(template, normalized, config.train_roles, source, limits)
 
 
 # ---------------------------------------------------------------------------------------------------------- sources
 
 
-def iter_source_records(path: str | Path, source_range: SourceRange | None = None) -> Iterator[tuple[str, Any]]:
+def iter_source_records(
+    path: str | Path, source_range: SourceRange | None = None, max_record_bytes: int | None = None
+) -> Iterator[tuple[str, Any]]:
     """Yield `(source, record)` for every record of a source, or of one shard of it (`sftflow.tasks.sharding`).
 
-    A line that is not JSON (or not UTF-8) yields a `RecordError` as its record. Sources name the whole file's line or
-    row, so a shard's records carry the same `source` strings as in an unsharded read.
+    A line that is not JSON (or not UTF-8), or is longer than `max_record_bytes`, yields a `RecordError` as its
+    record. Sources name the whole file's line or row, so a shard's records carry the same `source` strings as in an
+    unsharded read.
     """
-    return iter_range_records(path, source_range)
+    return iter_range_records(path, source_range, max_record_bytes)
 
 
-def _atomic_jsonl(path: Path):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    return tmp, open(tmp, "w", encoding="utf-8")
-
-
-def _commit(tmp: Path, handle, path: Path) -> None:
-    handle.flush()
-    os.fsync(handle.fileno())
-    handle.close()
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deeply lists and dicts nest in `value`, counted iteratively up to `limit + 1` (a record nested deeper than
+    Python's recursion limit must not crash the check)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def render_source(
@@ -225,14 +242,16 @@ def render_source(
     record_config = config
     counts: Counter[str] = Counter()
     records = rendered = 0
-    tmp, out = _atomic_jsonl(out_path)
-    rtmp, rout = _atomic_jsonl(rejects_path) if reject else (None, None)
-    try:
-        for source, record in iter_source_records(source_path, source_range):
+    with ExitStack() as files:  # both written atomically; on any error neither is left behind, temporary or not
+        out = files.enter_context(atomic_writer(out_path, "w", encoding="utf-8"))
+        rout = files.enter_context(atomic_writer(rejects_path, "w", encoding="utf-8")) if reject else None
+        for source, record in iter_source_records(source_path, source_range, config.max_record_bytes):
             records += 1
             try:
                 if isinstance(record, RecordError):
                     raise record
+                if nesting_depth(record, config.max_nesting) > config.max_nesting:
+                    raise RecordError(source, "record", f"nests deeper than render.max_nesting={config.max_nesting}")
                 if fmt is None:  # autodetect once per file, from the first valid record
                     fmt = detect_format(record)
                     if fmt is None:
@@ -252,14 +271,6 @@ def render_source(
             row = {"text": doc.text, "train_char_spans": [list(s) for s in doc.train_char_spans], "source": source}
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             rendered += 1
-        _commit(tmp, out, out_path)
-        if reject:
-            _commit(rtmp, rout, rejects_path)
-    finally:
-        for handle, path in ((out, tmp), (rout, rtmp)):
-            if handle is not None and not handle.closed:
-                handle.close()
-                path.unlink(missing_ok=True)
     return RenderStats(
         source=str(source_path),
         format=fmt,

@@ -217,22 +217,31 @@ def _plan_datasets(path: Path, shard_bytes: int | None, shard_records: int | Non
 # ---------------------------------------------------------------------------------------------------------- reading
 
 
-def iter_jsonl(path: str | Path, start: int = 0, end: int | None = None, first_line: int = 1):
+def iter_jsonl(
+    path: str | Path, start: int = 0, end: int | None = None, first_line: int = 1, max_line_bytes: int | None = None
+):
     """`(f"{path}:{line}", record)` for the non-blank lines in bytes `[start, end)`; `start` must be a line start.
 
-    Lines split on b"\\n" only; a line that is not UTF-8 or not JSON yields a `RecordError` as its record.
+    Lines split on b"\\n" only; a line that is not UTF-8 or not JSON, or longer than `max_line_bytes` (skipped
+    without being held in memory), yields a `RecordError` as its record.
     """
     lineno = first_line - 1
     with open(path, "rb") as f:
         f.seek(start)
         pos = start
         while end is None or pos < end:
-            raw = f.readline()
+            raw = f.readline(-1 if max_line_bytes is None else max_line_bytes + 1)
             if not raw:
                 break
             pos += len(raw)
             lineno += 1
             source = f"{path}:{lineno}"
+            if max_line_bytes is not None and len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                size = len(raw) + _skip_line(f)
+                pos += size - len(raw)
+                reason = f"is {size} bytes, over render.max_record_bytes={max_line_bytes}"
+                yield source, RecordError(source, "line", reason)
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -241,9 +250,24 @@ def iter_jsonl(path: str | Path, start: int = 0, end: int | None = None, first_l
             if not line.strip():
                 continue
             try:
-                yield source, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 yield source, RecordError(source, "line", f"is not valid JSON ({err.msg} at column {err.colno})")
+                continue
+            except RecursionError:
+                yield source, RecordError(source, "line", "is JSON nested too deeply to parse")
+                continue
+            yield source, record
+
+
+def _skip_line(f) -> int:
+    """Read past the rest of the current line in bounded chunks; the bytes skipped, newline included."""
+    skipped = 0
+    while chunk := f.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
 
 
 def iter_json_array(path: str | Path) -> Iterator[tuple[str, Any]]:
@@ -303,8 +327,11 @@ def iter_datasets(
             yield f"{prefix}:{start + k}", record
 
 
-def iter_range_records(path: str | Path, source_range: SourceRange | None = None) -> Iterator[tuple[str, Any]]:
-    """`(source, record)` for every record of a source, or of one of its shards; see `iter_source_records`."""
+def iter_range_records(
+    path: str | Path, source_range: SourceRange | None = None, max_record_bytes: int | None = None
+) -> Iterator[tuple[str, Any]]:
+    """`(source, record)` for every record of a source, or of one of its shards; see `iter_source_records`.
+    `max_record_bytes` bounds JSONL lines (Parquet and `datasets` rows are bounded by their schema)."""
     kind = source_kind(path)
     r = source_range
     if kind == "datasets":
@@ -317,7 +344,9 @@ def iter_range_records(path: str | Path, source_range: SourceRange | None = None
         return iter_json_array(path)
     if r is not None and r.unit != "bytes":
         raise ValueError(f"{path}: JSONL shards are byte ranges, got a {r.unit} range")
-    return iter_jsonl(path, *((r.start, r.end, r.first_line) if r else ()))
+    if r is None:
+        return iter_jsonl(path, max_line_bytes=max_record_bytes)
+    return iter_jsonl(path, r.start, r.end, r.first_line, max_line_bytes=max_record_bytes)
 
 
 def detect_source_format(path: str | Path) -> str | None:

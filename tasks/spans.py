@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from itertools import chain
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from sftflow.tasks.atomic import atomic_writer
 from sftflow.tasks.bpe_fast import FastBPE, why_unsupported
 from sftflow.tasks.records import RenderedDoc, TokenizedDoc
 
@@ -257,24 +257,16 @@ def tokenize_rendered_shard(
     loss_spans = np.concatenate([d.loss_spans_S2 for d in docs]) if docs else np.zeros((0, 2), np.int32)
     sources = np.frombuffer(json.dumps([d.source for d in docs], ensure_ascii=False).encode(), dtype=np.uint8)
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                input_ids=input_ids,
-                doc_ptr=doc_ptr,
-                loss_spans=loss_spans.astype(np.int32).reshape(-1, 2),
-                span_ptr=span_ptr,
-                sources=sources,
-                format_version=np.array([SHARD_FORMAT_VERSION], dtype=np.int64),
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_writer(out_path) as f:
+        np.savez(
+            f,
+            input_ids=input_ids,
+            doc_ptr=doc_ptr,
+            loss_spans=loss_spans.astype(np.int32).reshape(-1, 2),
+            span_ptr=span_ptr,
+            sources=sources,
+            format_version=np.array([SHARD_FORMAT_VERSION], dtype=np.int64),
+        )
     return TokenizeStats(
         out_path=str(out_path),
         docs=len(docs),

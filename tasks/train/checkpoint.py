@@ -2,7 +2,8 @@
 
 Layout of `RUN_DIR/checkpoints/`::
 
-    step-4/      a torch.distributed.checkpoint folder (.metadata + one file per rank)
+    step-4/      a torch.distributed.checkpoint folder (.metadata + one file per rank) and CHECKSUMS (sha256 per file,
+                 checked before the checkpoint is loaded: `sftflow.tasks.train.checksums`)
     step-8/
     latest       the text "step-8", written (atomically) only after step-8/ is complete on every rank
 
@@ -18,7 +19,6 @@ schedule and step counter.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.train.checksums import verify_checksums, write_checksums
 from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,14 @@ def restores_model(config: CheckpointConfig) -> bool:
     return config.init_from is not None and "model" in config.load_components
 
 
+def checkpoint_to_load(config: CheckpointConfig) -> Path | None:
+    """The checkpoint `Checkpointer.restore` will load: the run's `latest` when resuming, else `init_from`'s."""
+    latest = latest_checkpoint(config.folder)
+    if latest is not None:
+        return latest if config.resume else None
+    return resolve_checkpoint(config.init_from) if config.init_from is not None else None
+
+
 def checkpoint_components(path: Path) -> set[str]:
     """Top-level components stored in a DCP checkpoint, read from its metadata (no tensor is loaded)."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -206,26 +216,37 @@ class Checkpointer:
             shutil.rmtree(path)  # a partial save left by a crash at this very step
         dist.barrier()
         dcp.save(dict(self.states), checkpoint_id=str(path))
-        dist.barrier()  # every rank's shard is written before `latest` moves
+        dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
+        write_checksums(path)
         if self.is_main:
-            tmp = self.config.folder / f".{LATEST}.tmp"
-            tmp.write_text(path.name)
-            os.replace(tmp, self.config.folder / LATEST)
-            self._prune()
+            write_atomic(self.config.folder / LATEST, path.name)
+            prune_checkpoints(self.config.folder, self.config.keep_last, step)
         self.last_saved_step = step
         return path
 
-    def _prune(self) -> None:
-        steps = sorted(
-            int(m.group(1)) for p in self.config.folder.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
-        )
-        for old in steps[: -self.config.keep_last]:
-            shutil.rmtree(step_dir(self.config.folder, old), ignore_errors=True)
+
+def prune_checkpoints(folder: Path, keep_last: int, current: int) -> list[int]:
+    """After saving step `current`: keep the newest `keep_last` complete checkpoints up to it, remove older ones and
+    partial saves (no `.metadata`) below it. Returns the steps removed.
+
+    Folders above `current` are left alone: one is a partial save of an earlier attempt that got further before it
+    was killed, and must not count as one of the checkpoints to keep (it would push out the one `latest` names);
+    `save` replaces it when training reaches its step."""
+    complete, partial = [], []
+    for path in folder.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if path.is_dir() and match and int(match.group(1)) <= current:
+            (complete if (path / ".metadata").is_file() else partial).append(int(match.group(1)))
+    removed = sorted(complete)[:-keep_last] + [s for s in partial if s != current]
+    for old in removed:
+        shutil.rmtree(step_dir(folder, old), ignore_errors=True)
+    return sorted(removed)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Load the `model` component of a DCP checkpoint into a plain (unsharded, single-process) HF model."""
     path = resolve_checkpoint(Path(path))
+    verify_checksums(path)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])

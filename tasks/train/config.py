@@ -8,14 +8,13 @@ component only its own slice (`OptimConfig`, `ScheduleConfig`, `CheckpointConfig
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sftflow.tasks.atomic import write_atomic
 from sftflow.tasks.train.mock import MockConfig
 
 RUN_FORMAT_VERSION = 1
@@ -137,9 +136,7 @@ def write_run_json(config: TrainConfig, manifests: dict, path: Path) -> None:
         "config": config.model_dump(mode="json", exclude={"node_rank"}),
         "manifests": manifests,
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def read_run_json(run_dir: str | Path) -> TrainConfig:

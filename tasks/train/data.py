@@ -11,6 +11,7 @@ summation order). This is what lets a 2-rank checkpoint resume on 1 rank and bac
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,13 @@ def plan_path(plan: str | Path) -> Path:
 
 
 def load_plan(plan: str | Path) -> PlanArrays:
-    return _load_plan(plan_path(plan))
+    path = plan_path(plan)
+    try:
+        return _load_plan(path)
+    except (zipfile.BadZipFile, EOFError, KeyError, OSError, ValueError) as err:  # a damaged zip or array in it
+        if isinstance(err, ValueError) and str(path) in str(err):
+            raise
+        raise ValueError(f"{path}: not a readable plan ({err}); rerun the plan stage (sftflow plan)") from None
 
 
 def plan_row(plan: PlanArrays, step: int, micro_batch: int, plan_rank: int) -> np.ndarray:

@@ -32,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.locks import exclusive
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
 from sftflow.tasks.train.data import load_plan, plan_path
@@ -227,10 +228,30 @@ def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
             "(--resume) to continue it, or choose a new out folder"
         )
     config = config.model_copy(update={"resume": resume})
+    # One launcher per run folder and node: a second would resume from this one's live checkpoints and interleave
+    # its metrics.
+    with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
+        return _launch(config, run_dir)
+
+
+def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     plan = load_plan(config.plan)
-    from sftflow.tasks.train.model import preflight  # torch and transformers: only once a run is launched
+    if config.data is not None:
+        from sftflow.tasks.reader import IndexedDataset
+
+        # Training reads what the index recorded, or nothing: every index array and shard is checked against the
+        # index's sha256s here, once per node, before any worker starts (one read of the data).
+        IndexedDataset(config.data, split=config.data_split, verify=True).reader.close()
+    # torch and transformers: only once a run is launched
+    from sftflow.tasks.train.checkpoint import checkpoint_to_load
+    from sftflow.tasks.train.checksums import verify_checksums
+    from sftflow.tasks.train.config import checkpoint_config
+    from sftflow.tasks.train.model import preflight
 
     preflight(config.model, packed=plan.mode == "packed", overrides=config.model_overrides)
+    checkpoint = checkpoint_to_load(checkpoint_config(config))
+    if checkpoint is not None:
+        verify_checksums(checkpoint)  # before any reader unpickles its .metadata
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from sftflow.tasks.atomic import write_atomic
 from sftflow.tasks.train.config import MetricsConfig
 
 # Dense bf16 peak FLOP/s per device, no sparsity.
@@ -86,12 +87,13 @@ class MetricsLogger:
             self._truncate_after(resume_step)
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines a crashed attempt wrote after the checkpoint we resume from, so steps appear once."""
+        """Drop lines a crashed attempt wrote after the checkpoint we resume from, so steps appear once; a line cut
+        short by the crash (or a full disk) ends the file there."""
         path = self.config.path
         if not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [line for line, record in _lines(path) if record["step"] <= step]
+        write_atomic(path, "".join(line + "\n" for line in kept))
 
     def log(
         self,
@@ -154,11 +156,17 @@ def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text().splitlines():
+    return [record for _, record in _lines(path)]
+
+
+def _lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) pairs up to the first line that is not a whole JSON record: one being written right now, or
+    one cut short by a crash or a full disk."""
+    pairs = []
+    for line in path.read_text(errors="replace").splitlines():
         if line.strip():
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
+                pairs.append((line, json.loads(line)))
+            except json.JSONDecodeError:
                 break
-    return records
+    return pairs

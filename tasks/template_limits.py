@@ -1,0 +1,161 @@
+"""Bounds on what one chat-template render may cost: wall time, output size, and the allocations a template can ask
+for in one expression.
+
+Templates are untrusted code. The immutable sandbox keeps them away from Python's internals, but a nested loop,
+`'x' * 10**10`, `lipsum(n=10**7)` or runaway macro recursion still burns CPU or memory without limit. Rendering goes
+through these checks instead:
+
+- **Time.** A watchdog thread raises `RenderLimitError` inside the rendering thread once a render runs past its
+  budget (`PyThreadState_SetAsyncExc`, delivered between bytecodes, so it interrupts pure-Python loops in compiled
+  templates; renders run on worker threads, where signals cannot reach).
+- **Output.** The template is rendered chunk by chunk (`Template.generate`) and stops when the text exceeds the budget.
+- **One expression.** `*` and `**` are intercepted by the sandbox and refuse results over the output budget; so do
+  the width arguments of `center`, `indent` and `wordwrap`, and `lipsum`. Ranges over 100k items are refused by
+  Jinja's sandbox itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_SECONDS = 10.0
+DEFAULT_OUTPUT_CHARS = 64 * 2**20
+DEFAULT_OUTPUT_FACTOR = 10
+
+
+class RenderLimitError(RuntimeError):
+    """A render exceeded one of its limits; the message says which."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderLimits:
+    seconds: float = DEFAULT_SECONDS
+    # The output may be `output_factor` times the conversation's size, or `output_chars`, whichever is larger.
+    output_chars: int = DEFAULT_OUTPUT_CHARS
+    output_factor: int = DEFAULT_OUTPUT_FACTOR
+
+    def output_budget(self, input_chars: int) -> int:
+        return max(self.output_chars, self.output_factor * input_chars)
+
+
+_CURRENT: threading.local = threading.local()
+
+
+def current_budget() -> int:
+    """The output budget of the render running on this thread (for the sandbox's per-expression checks)."""
+    return getattr(_CURRENT, "budget", DEFAULT_OUTPUT_CHARS)
+
+
+class _Watchdog:
+    """One daemon thread for all renders: it raises `RenderLimitError` in a thread whose deadline has passed."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._deadlines: dict[int, float] = {}
+        self._fired: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float) -> int:
+        tid = threading.get_ident()
+        with self._lock:
+            self._deadlines[tid] = time.monotonic() + seconds
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="sftflow-render-watchdog", daemon=True)
+                self._thread.start()
+        return tid
+
+    def disarm(self, tid: int) -> None:
+        with self._lock:
+            self._deadlines.pop(tid, None)
+            if tid in self._fired:
+                self._fired.discard(tid)
+                # The exception may still be pending (not yet delivered): cancel it, so it cannot surface later in
+                # code that has nothing to do with the render.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            with self._lock:
+                for tid, deadline in self._deadlines.items():
+                    if now > deadline and tid not in self._fired:
+                        self._fired.add(tid)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(tid), ctypes.py_object(_RenderTimeout)
+                        )
+
+
+class _RenderTimeout(RenderLimitError):
+    """Raised asynchronously (no arguments can be passed that way); `render_limited` turns it into a message."""
+
+
+_WATCHDOG = _Watchdog()
+
+
+def render_limited(template, context: dict, limits: RenderLimits, input_chars: int) -> str:
+    """`template.render(**context)` within `limits`; raises `RenderLimitError` naming the limit it hit."""
+    budget = limits.output_budget(input_chars)
+    _CURRENT.budget = budget
+    tid = _WATCHDOG.arm(limits.seconds)
+    pieces: list[str] = []
+    size = 0
+    try:
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > budget:
+                raise RenderLimitError(f"its output passed {budget} characters (the render's output budget)")
+            pieces.append(piece)
+    except _RenderTimeout:
+        raise RenderLimitError(f"it ran longer than {limits.seconds:g} s (the render's time budget)") from None
+    except RecursionError:
+        raise RenderLimitError("it recursed too deeply (a macro calling itself without end?)") from None
+    except OverflowError as err:  # the sandbox's refusal of a range over 100k items, among others
+        raise RenderLimitError(f"it asked for too much: {err}") from None
+    except MemoryError:
+        raise RenderLimitError("it ran out of memory") from None
+    finally:
+        _WATCHDOG.disarm(tid)
+        _CURRENT.budget = DEFAULT_OUTPUT_CHARS
+    return "".join(pieces)
+
+
+def checked_binop(operator: str, left, right):
+    """`left <operator> right` for the sandbox's intercepted operators, refusing results over the output budget."""
+    budget = current_budget()
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > budget:
+                raise RenderLimitError(f"'*' would make a sequence of {len(seq) * n} items, over {budget}")
+        return left * right
+    if operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            if right * max(abs(left).bit_length(), 1) > 64 * budget:
+                raise RenderLimitError(f"'**' would make an integer of about {right * abs(left).bit_length()} bits")
+        return left**right
+    raise AssertionError(operator)
+
+
+def width_checked(filter_fn, argument: str):
+    """A filter whose `argument` (a width) must stay within the output budget."""
+
+    def checked(value, *args, **kwargs):
+        width = kwargs.get(argument, args[0] if args else 0)
+        if isinstance(width, int) and width > current_budget():
+            raise RenderLimitError(f"filter {filter_fn.__name__}: {argument}={width} is over the output budget")
+        return filter_fn(value, *args, **kwargs)
+
+    checked.__name__ = filter_fn.__name__
+    return checked
+
+
+def lipsum_checked(lipsum):
+    def checked(n=5, html=True, min=20, max=100):
+        if n * max > current_budget():
+            raise RenderLimitError(f"lipsum(n={n}, max={max}) is over the output budget")
+        return lipsum(n=n, html=html, min=min, max=max)
+
+    return checked

@@ -1,0 +1,81 @@
+"""sha256 of every file of a DCP checkpoint, written with it and checked before it is loaded.
+
+A flipped byte in a `.distcp` file otherwise loads silently (a weight of 9.5e35 reaches the export), and `.metadata`
+is a pickle that torch's reader unpickles: its hash is checked against the listing before anything reads it. The
+listing (`CHECKSUMS`, `sha256  name` per line, as the stage folders have) is written by rank 0 after every rank has
+hashed its share of the files, and before `latest` names the checkpoint. The launcher checks the checkpoint a run
+will load before it starts the workers, so a damaged one is one located error, not a worker traceback. This
+catches corruption, not an attacker who can rewrite the listing too: checkpoints, like `init_from`, are trusted input.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.fingerprint import sha256_file
+
+log = logging.getLogger(__name__)
+
+CHECKSUMS = "CHECKSUMS"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(value):
+    rank, world = _rank_world()
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.is_file() and p.name != CHECKSUMS)
+
+
+def write_checksums(path: Path) -> None:
+    """Hash the checkpoint's files (each rank a share) and write `CHECKSUMS` on rank 0. A collective."""
+    rank, world = _rank_world()
+    names = _files(path)
+    digests = {name: sha256_file(path / name) for name in names[rank::world]}
+    merged = {k: v for part in _gather(digests) for k, v in part.items()}
+    if rank == 0:
+        write_atomic(path / CHECKSUMS, "".join(f"{merged[name]}  {name}\n" for name in sorted(merged)))
+
+
+def verify_checksums(path: Path) -> None:
+    """Raise `ValueError` naming the first file of the checkpoint whose sha256 differs from `CHECKSUMS` (or that is
+    missing). A collective when a process group is up (each rank checks a share, all raise together); the launcher
+    calls it in one process."""
+    path = Path(path)
+    listing = path / CHECKSUMS
+    if not listing.is_file():
+        log.warning("%s has no %s (written by an older sftflow): its files cannot be checked", path, CHECKSUMS)
+        return
+    expected = {}
+    for line in listing.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split("  ", 1)
+            expected[name] = digest
+    rank, world = _rank_world()
+    bad = None
+    for name in sorted(expected)[rank::world]:
+        file = path / name
+        if not file.is_file():
+            bad = f"{file} is missing"
+            break
+        if sha256_file(file) != expected[name]:
+            bad = f"{file} does not match its sha256 in {listing}"
+            break
+    problems = [b for b in _gather(bad) if b]
+    if problems:
+        raise ValueError(f"checkpoint {path} is damaged: {problems[0]}; resume from an earlier checkpoint")

@@ -1,0 +1,250 @@
+"""The edges where runs used to lose data or trust what they should not: checkpoint pruning after a kill mid-save, a
+metrics line cut short, two writers on one folder, changed inputs, damaged checkpoints, temporary files after a
+failed write. Each test reproduces the failure as it was met, on real torchrun runs where training is involved."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from train_helpers import losses, planned_mock, run  # noqa: E402
+
+from sftflow.tasks.atomic import atomic_writer, write_atomic  # noqa: E402
+from sftflow.tasks.caching import outputs_valid, retry_on_io_error, write_checksums  # noqa: E402
+from sftflow.tasks.index import build_index  # noqa: E402
+from sftflow.tasks.pbin import write_pbin  # noqa: E402
+from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
+from sftflow.tasks.reader import IndexedDataset  # noqa: E402
+from sftflow.tasks.records import TokenizedDoc  # noqa: E402
+from sftflow.tasks.train.checkpoint import prune_checkpoints  # noqa: E402
+from sftflow.tasks.train.config import TrainConfig  # noqa: E402
+from sftflow.tasks.train.launch import train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("reliability")
+    config, _, _ = planned_mock(
+        root,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
+        PlanConfig(num_ranks=1, tokens_per_rank=64, micro_batches_per_step=1, epochs=2, seed=0),
+        checkpoint_every=4,
+        keep_last=1,
+    )
+    return root, config
+
+
+def _complete(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if (p / ".metadata").is_file())
+
+
+def test_a_kill_during_a_save_does_not_make_pruning_delete_the_checkpoint_latest_names(base):
+    """keep_last 1, checkpoints every 4 steps: a kill while step-12 was being written left a partial step-12; resuming
+    from step-8 with max_steps 10 saves step-10, and the partial folder above it must not push it out."""
+    root, config = base
+    out = root / "killed-mid-save"
+    run(config, out, max_steps=8)
+    checkpoints = out / "checkpoints"
+    assert _complete(checkpoints) == ["step-8"]
+    partial = checkpoints / "step-12"  # what a SIGKILL during dcp.save leaves: shard files, no .metadata
+    partial.mkdir()
+    for file in (checkpoints / "step-8").glob("*.distcp"):
+        shutil.copy(file, partial / file.name)
+
+    run(config, out, max_steps=10, resume=True)
+    assert (checkpoints / "latest").read_text().strip() == "step-10"
+    assert _complete(checkpoints) == ["step-10"]
+    assert partial.is_dir()  # above the step just saved: left for the save of step 12 to replace
+    run(config, out, max_steps=12, resume=True)  # the resume that used to fail: latest named a deleted step-10
+    assert (checkpoints / "latest").read_text().strip() == "step-12"
+    assert _complete(checkpoints) == ["step-12"]
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_up_to_the_step_saved(tmp_path):
+    for step, complete in ((2, True), (4, False), (6, True), (8, True), (12, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
+    assert prune_checkpoints(tmp_path, keep_last=2, current=8) == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-12", "step-6", "step-8"]
+
+
+def test_a_metrics_line_cut_short_does_not_block_the_resume(base):
+    root, config = base
+    out = root / "cut-metrics"
+    run(config, out, max_steps=4)
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "loss": 1.2')  # the disk filled up mid-line
+    run(config, out, max_steps=6, resume=True)
+    lines = metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert None not in losses(out)
+
+
+HOLD = """
+import sys, time
+from sftflow.tasks.locks import exclusive
+with exclusive(sys.argv[1], "test"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def _hold(lock: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_trainer_on_a_held_run_folder_is_refused_naming_the_holder(base):
+    root, config = base
+    out = root / "held"
+    holder = _hold(out / ".lock-node0")
+    try:
+        with pytest.raises(ValueError, match=rf"training run {out} is in use by PID {holder.pid} on \S+"):
+            run(config, out, max_steps=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without cleaning up: its lock is gone with it, and the next run takes the folder.
+    assert json.loads((out / ".lock-node0").read_text())["pid"] == holder.pid
+    run(config, out, max_steps=1)
+    assert json.loads((out / ".lock-node0").read_text())["pid"] == os.getpid()
+
+
+def test_a_second_sftflow_command_on_a_held_work_dir_is_one_line_naming_the_holder(tmp_path):
+    from sftflow.tasks.demo import write_demo
+
+    demo = write_demo(tmp_path / "demo", n=3)
+    out = tmp_path / "out"
+    holder = _hold(out / ".sftflow.lock")
+    try:
+        exe = Path(sys.executable).with_name("sftflow")
+        args = [str(exe), "data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"])]
+        # No Prefect API is reached: the flow refuses before its first task. PREFECT_API_URL points nowhere usable so
+        # that no local server is started for this.
+        env = dict(os.environ, PREFECT_API_URL="http://127.0.0.1:9/api")
+        result = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    assert f"in use by PID {holder.pid}" in result.stderr + result.stdout
+
+
+def _index(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    docs = [
+        TokenizedDoc(rng.integers(5, 300, n), np.array([[1, n]], dtype=np.int32), f"d.jsonl:{i + 1}")
+        for i, n in enumerate(rng.integers(4, 40, 60))
+    ]
+    write_pbin(root / "a.pbin", docs, 400, {})
+    build_index([root / "a.pbin"], root / "index", eval_fraction=0.0)
+    return root / "index"
+
+
+def _data_run(root: Path, tokenizer_dir: Path) -> TrainConfig:
+    index = _index(root)
+    dataset = IndexedDataset(index)
+    arrays, _ = plan(dataset.lengths, dataset.trainable_target_counts(), PlanConfig(num_ranks=1, tokens_per_rank=128))
+    save_plan(arrays, root / "plan.npz")
+    return TrainConfig(
+        data=str(index), plan=str(root / "plan.npz"), model="tiny-llama", tokenizer=str(tokenizer_dir),
+        out=str(root / "run"), max_steps=1, num_threads=1, export=False,
+    )  # fmt: skip
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["pbin_token", "train_ids", "plan"])
+def test_a_changed_input_is_refused_before_training_with_its_path(damage, tmp_path, tiny_tokenizer_dir):
+    config = _data_run(tmp_path, tiny_tokenizer_dir)
+    if damage == "pbin_token":
+        target = tmp_path / "a.pbin"
+        _flip(target, target.stat().st_size // 3)  # inside the tokens section
+        message = "the shard changed since the dataset index"
+    elif damage == "train_ids":
+        target = tmp_path / "index" / "train_ids.npy"
+        _flip(target, target.stat().st_size - 3)
+        message = "index array 'train_ids' changed"
+    else:
+        target = tmp_path / "plan.npz"
+        _flip(target, target.stat().st_size // 2)
+        message = "not a readable plan"
+    with pytest.raises(ValueError, match=message) as err:
+        train(config)
+    assert str(target) in str(err.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_damaged_checkpoint_is_refused_before_it_is_loaded(base):
+    root, config = base
+    out = root / "damaged"
+    run(config, out, max_steps=4)
+    step = out / "checkpoints" / "step-4"
+    assert (step / "CHECKSUMS").is_file()
+    shard = next(step.glob("*.distcp"))
+    _flip(shard, shard.stat().st_size // 2)
+    with pytest.raises(ValueError, match=rf"checkpoint {step} is damaged: {shard} does not match its sha256"):
+        run(config, out, max_steps=6, resume=True)
+    _flip(shard, shard.stat().st_size // 2)  # repaired: the same bytes as written
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes() + b"\x00")  # a crafted pickle is refused too
+    with pytest.raises(ValueError, match=r"\.metadata does not match its sha256"):
+        run(config, out, max_steps=6, resume=True, init_from=None)
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(tmp_path, monkeypatch):
+    target = tmp_path / "out" / "rendered.jsonl"
+
+    class DiskFull(Exception):
+        pass
+
+    with pytest.raises(DiskFull):
+        with atomic_writer(target, "w", encoding="utf-8") as f:
+            f.write("x" * 1000)
+            raise DiskFull
+    assert list((tmp_path / "out").iterdir()) == []
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError):
+        write_atomic(target, "y" * 1000)
+    monkeypatch.undo()
+    assert list((tmp_path / "out").iterdir()) == []
+
+    class State:
+        def __init__(self, error):
+            self.error = error
+
+        def result(self):
+            raise self.error
+
+    assert retry_on_io_error(None, None, State(OSError(errno.ENOSPC, "full"))) is False
+    assert retry_on_io_error(None, None, State(OSError(errno.EIO, "flaky"))) is True
+
+    # A crashed writer's temporary file is never listed as part of an output.
+    (tmp_path / "out" / "a.txt").write_text("a")
+    (tmp_path / "out" / ".b.txt.123.abc.tmp").write_text("half")
+    write_checksums(tmp_path / "out")
+    assert ".tmp" not in (tmp_path / "out" / "CHECKSUMS").read_text()
+    assert outputs_valid(tmp_path / "out")
