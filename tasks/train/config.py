@@ -50,7 +50,12 @@ class TrainConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
 
     # optimisation
-    max_steps: int | None = Field(None, ge=0, description="stop after this many optimizer steps (default: the plan's)")
+    max_steps: int | None = Field(
+        None, ge=0, description="stop after this many optimizer steps (default: the plan's); the schedule is unchanged"
+    )
+    schedule_steps: int | None = Field(
+        None, ge=1, description="steps the learning-rate schedule spans (default: the plan's steps)"
+    )
     lr: float = Field(2e-5, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(0, ge=0)

@@ -325,7 +325,9 @@ def train(run_dir: Path) -> None:
     weights = None if restores_model(checkpoint_c) else weights
     on_meta = any(p.is_meta for p in lm.parameters())
     model, optimizer, model_state = parallelize(lm, env, parallel, param_dtype, optim_c, weights, on_meta)
-    schedule_c = cfg.schedule_config(config, total_steps)
+    # The learning-rate curve spans the whole plan (or `schedule_steps`), whatever `max_steps` stops at: stopping early
+    # and resuming with another `max_steps` never bends it.
+    schedule_c = cfg.schedule_config(config, config.schedule_steps or plan.num_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
     progress = Progress()
     states = {

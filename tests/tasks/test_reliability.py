@@ -248,3 +248,26 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(
     write_checksums(tmp_path / "out")
     assert ".tmp" not in (tmp_path / "out" / "CHECKSUMS").read_text()
     assert outputs_valid(tmp_path / "out")
+
+
+def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base):
+    """The schedule spans the plan: stopping at step 3 and resuming to step 6 gives the learning rates (and losses)
+    of one run to step 6, and both follow the curve of the whole plan (it used to be squeezed into max_steps)."""
+    from train_helpers import metrics
+
+    root, config = base
+    straight, split = root / "lr-straight", root / "lr-split"
+    run(config, straight, max_steps=6, warmup_steps=2)
+    run(config, split, max_steps=3, warmup_steps=2)
+    run(config, split, max_steps=6, warmup_steps=2, resume=True)
+    lrs = [m["lr"] for m in metrics(straight)]
+    assert [m["lr"] for m in metrics(split)] == lrs
+    assert losses(split) == losses(straight)
+    from sftflow.tasks.train.config import schedule_config
+    from sftflow.tasks.train.data import load_plan
+    from sftflow.tasks.train.worker import lr_factor
+
+    steps = load_plan(config.plan).num_steps
+    assert steps > 12
+    curve = schedule_config(config.model_copy(update={"warmup_steps": 2}), steps)
+    assert lrs == pytest.approx([config.lr * lr_factor(s, curve) for s in range(6)], rel=1e-12)
