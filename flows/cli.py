@@ -25,8 +25,21 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option("--debug", help="print tracebacks on the terminal")] = False,
+) -> None:
+    from sftflow.flows.console import set_debug
+
+    set_debug(debug)
+
+
 def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    from sftflow.flows.console import log_file
+
+    where = log_file()
+    details = f" (details: {where})" if where is not None else ""
+    typer.secho(f"error: {message}{details}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
 
 
@@ -59,11 +72,14 @@ def _notice(message: str) -> None:
 @contextmanager
 def _flow_session(work_dir: str | Path):
     """What a command that runs flows holds while they run: the work folder's lock (taken first, so a busy folder is
-    refused at once, without a Prefect API), then the Prefect API (`sftflow.flows.local_api`)."""
+    refused at once, without a Prefect API), the Prefect API (`sftflow.flows.local_api`), and a log of the runs in
+    the work folder that keeps tracebacks off the terminal (`sftflow.flows.console`)."""
+    from sftflow.flows.console import logged_to
     from sftflow.flows.local_api import prefect_api
     from sftflow.flows.results import work_dir_lock
 
-    with work_dir_lock(Path(work_dir).resolve()), prefect_api(notice=_notice):
+    work = Path(work_dir).resolve()
+    with work_dir_lock(work), prefect_api(notice=_notice), logged_to(work):
         yield
 
 
@@ -337,7 +353,8 @@ def eval_command(
     """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match."""
     _quiet_defaults()
     from sftflow.tasks.eval_report import markdown_summary
-    from sftflow.tasks.eval_stage import EvalConfig, ModelRef, evaluate_run
+    from sftflow.tasks.eval_stage import evaluate_run
+    from sftflow.tasks.manifests import EvalConfig, ModelRef
 
     tokenizer = _data_tokenizer(data) or model
     base_ref = ModelRef(spec=base, seed=seed) if base else None

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from sftflow.tasks.data_stages import IndexConfig
-from sftflow.tasks.eval_stage import EvalConfig
+from sftflow.tasks.manifests import EvalConfig
 from sftflow.tasks.plan import PlanConfig
 from sftflow.tasks.render import RenderConfig
 from sftflow.tasks.spans import SpansConfig

@@ -18,7 +18,7 @@ from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.train import sft_train
-from sftflow.tasks.eval_stage import EvalReport
+from sftflow.tasks.manifests import EvalReport
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 

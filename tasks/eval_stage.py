@@ -7,39 +7,13 @@ from pathlib import Path
 
 import torch
 from prefect import task
-from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
 from sftflow.tasks.eval_report import markdown_summary, metrics_table, plot_loss_curve
 from sftflow.tasks.evaluate import EvalResult, evaluate_models
 from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.manifests import DatasetIndex, Manifest
+from sftflow.tasks.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef
 from sftflow.tasks.reader import IndexedDataset
-
-
-class EvalConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    max_docs: int | None = Field(default=512, ge=1, description="eval documents for loss/accuracy (None: all)")
-    max_generations: int = Field(default=64, ge=0, description="documents to greedy-generate answers for")
-    num_examples: int = Field(default=4, ge=0, description="examples shown in the report")
-    compare_base: bool = True
-
-
-class ModelRef(BaseModel):
-    """A model to evaluate: a Hugging Face folder (with its content hash) or a preset built from `seed`."""
-
-    model_config = ConfigDict(frozen=True)
-    spec: str
-    sha256: str | None = None
-    seed: int = 0
-    overrides: dict[str, int | float | str | bool] = {}
-
-
-class EvalReport(Manifest):
-    metrics: dict[str, dict]
-    plot_path: str | None
-    markdown_path: str
-    eval_docs: int
 
 
 def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:

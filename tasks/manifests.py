@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.fingerprint import sha256_file
 
@@ -79,3 +79,28 @@ class DatasetIndex(Manifest):
     num_train_tokens: int
     num_eval_tokens: int
     dropped: dict[str, int]
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_docs: int | None = Field(default=512, ge=1, description="eval documents for loss/accuracy (None: all)")
+    max_generations: int = Field(default=64, ge=0, description="documents to greedy-generate answers for")
+    num_examples: int = Field(default=4, ge=0, description="examples shown in the report")
+    compare_base: bool = True
+
+
+class ModelRef(BaseModel):
+    """A model to evaluate: a Hugging Face folder (with its content hash) or a preset built from `seed`."""
+
+    model_config = ConfigDict(frozen=True)
+    spec: str
+    sha256: str | None = None
+    seed: int = 0
+    overrides: dict[str, int | float | str | bool] = {}
+
+
+class EvalReport(Manifest):
+    metrics: dict[str, dict]
+    plot_path: str | None
+    markdown_path: str
+    eval_docs: int

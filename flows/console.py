@@ -1,0 +1,64 @@
+"""What a command shows on the terminal: the run's progress and, for a user error, one line; tracebacks go to a log.
+
+Prefect logs a failed task's or flow's exception with its traceback, ~100 lines above the command's own one-line
+`error: file:line: ...`. While a command runs flows, every log record also goes to `<work_dir>/sftflow.log`, full
+tracebacks included, and the terminal's Prefect handler drops the records that carry a user error (a `ValueError`)
+and the traceback of any other error. The Prefect API (and its UI) still receives everything. `--debug` keeps the
+terminal as Prefect prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOG_NAME = "sftflow.log"
+
+_state = {"debug": False, "log_file": None}
+
+
+def set_debug(debug: bool) -> None:
+    _state["debug"] = debug
+
+
+def log_file() -> Path | None:
+    """The log of the command's flow runs, once one is being written."""
+    return _state["log_file"]
+
+
+class _TerminalFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            error = record.exc_info[1]
+            if isinstance(error, ValueError):
+                return False  # the command ends with this error's one located line
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextmanager
+def logged_to(work_dir: str | Path) -> Iterator[Path]:
+    """Write every log record to `work_dir/sftflow.log` and keep tracebacks off the terminal (unless `--debug`)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    path = Path(work_dir) / LOG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    # First among the root's handlers: it sees each record before the terminal's filter trims it.
+    root.handlers.insert(0, handler)
+    terminal = _TerminalFilter()
+    consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)] if not _state["debug"] else []
+    for console in consoles:
+        console.addFilter(terminal)
+    _state["log_file"] = path
+    try:
+        yield path
+    finally:
+        for console in consoles:
+            console.removeFilter(terminal)
+        root.removeHandler(handler)
+        handler.close()
