@@ -145,3 +145,22 @@ def test_cli_data_and_inspect(tmp_path, demo):
 
     result = runner.invoke(app, [*args, "--tokenizer-backend", "rust"])
     assert result.exit_code == 2 and "spans.tokenizer_backend" in result.output
+
+
+def test_a_user_error_is_one_line_on_the_terminal_and_a_traceback_in_the_work_log(tmp_path, demo):
+    """As a user runs it: the console script, Prefect's own logging to the terminal, a record with a typo."""
+    from tests.flows.conftest import run_cli
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assitant", "content": "x"}]}))
+    out = tmp_path / "out"
+    result = run_cli("data", "--source", str(bad), "--tokenizer", str(demo["tokenizer"]), "--out", str(out))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {bad}:1: messages[1].role is 'assitant'; expected one of system/user/assistant/tool "
+        f"(details: {out / 'sftflow.log'})"
+    ]
+    log = (out / "sftflow.log").read_text()
+    assert "Traceback" in log and "RecordError" in log
