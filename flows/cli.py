@@ -47,7 +47,7 @@ def _user_errors(fn):
     """Turn bad input into one located line instead of a traceback."""
     import functools
 
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
     from sftflow.flows.local_api import LocalAPIError
 
@@ -56,9 +56,9 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            _fail(f"config field '{where}': {first['msg']}")
+            from sftflow.flows.config import explain_validation_error, validated_models
+
+            _fail(f"config: {explain_validation_error(err, validated_models().get(err.title, BaseModel))}")
         except (ValueError, FileNotFoundError, LocalAPIError) as err:
             _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
@@ -296,6 +296,8 @@ def train(
     if data is not None:
         raw["data"] = _index_dir(data)
         raw.setdefault("tokenizer", _data_tokenizer(data))
+    elif "data" not in raw:
+        raise ValueError("--data is required: the folder written by `sftflow data` (or a dataset index folder)")
     flags = dict(
         plan=str(plan),
         model=model,

@@ -6,11 +6,13 @@ Sections mirror the stages. `train` holds every `TrainConfig` field except the w
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from sftflow.tasks.data_stages import IndexConfig
 from sftflow.tasks.manifests import EvalConfig
@@ -104,11 +106,49 @@ class SFTConfig(BaseModel):
         work_dir = Path(raw.get("work_dir", "sftflow-out"))
         raw["work_dir"] = str(work_dir if work_dir.is_absolute() else (p.parent / work_dir).resolve())
         data = raw.get("data") or {}
-        if "sources" in data:
+        if isinstance(data, dict) and isinstance(data.get("sources"), list):
             data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
-        if "tokenizer" in data and _relative_to(p, data["tokenizer"]).exists():
-            data["tokenizer"] = str(_relative_to(p, data["tokenizer"]))
-        return cls.model_validate(raw)
+        if isinstance(data, dict) and isinstance(data.get("tokenizer"), str):
+            if _relative_to(p, data["tokenizer"]).exists():
+                data["tokenizer"] = str(_relative_to(p, data["tokenizer"]))
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ValueError(f"{path}: {explain_validation_error(err, cls)}") from None
+
+
+def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
+    """The field names of the (nested) model at `path` of `model`, or [] where `path` leaves the models."""
+    for name in path:
+        field = model.model_fields.get(name)
+        if field is None:
+            return []
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return sorted(model.model_fields)
+
+
+def explain_validation_error(err: ValidationError, model: type[BaseModel]) -> str:
+    """Every problem of a config in one line; an unknown key comes with the closest valid names (a typo), or the
+    valid ones."""
+    problems = []
+    for error in err.errors():
+        loc = [str(part) for part in error["loc"]]
+        where = ".".join(loc)
+        if error["type"] == "extra_forbidden":
+            valid = _field_names(model, loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.6)
+            if close:
+                hint = f"; did you mean {' or '.join(repr('.'.join([*loc[:-1], c])) for c in close)}?"
+            else:
+                hint = f"; expected one of {', '.join(valid)}" if valid else ""
+            problems.append(f"unknown key '{where}'{hint}")
+        else:
+            problems.append(f"'{where}': {error['msg']}" if where else error["msg"])
+    return "; ".join(problems)
 
 
 def _relative_to(config_path: Path, value: str) -> Path:
@@ -158,3 +198,11 @@ def plan_config(cfg: SFTConfig) -> PlanConfig:
     section = cfg.plan.model_dump()
     num_ranks = section.pop("num_ranks") or cfg.train.nproc * cfg.train.nnodes
     return PlanConfig(num_ranks=num_ranks, **section)
+
+
+def validated_models() -> dict[str, type[BaseModel]]:
+    """The config models the CLI validates, by name (a `ValidationError` names its model), for error messages."""
+    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.train.config import TrainConfig
+
+    return {m.__name__: m for m in (SFTConfig, DataConfig, PlanSection, PlanConfig, TrainConfig, TrainSection)}

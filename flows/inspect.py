@@ -70,6 +70,11 @@ def inspect_path(path: Path, num_docs: int, fmt: str, tokenizer: str | None, ech
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer or data_tokenizer)
+    else:
+        echo(
+            "(no tokenizer known for these shards: token ids are shown, trained ones highlighted; pass --tokenizer "
+            "to see text)"
+        )
     shown = 0
     for f in files:
         for i in range(min(len(f), num_docs - shown)):

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.caching import (
@@ -141,6 +141,8 @@ def render_task(
         out_dir / "rejects.jsonl",
         source_range=source.range,
     )
+    if stats.records == 0 and source.range is None:
+        get_run_logger().warning("%s: no records (an empty file?); it adds nothing to the dataset", source.path)
     manifest = RenderedShard(
         path=stats.out_path,
         sha256=sha256_file(stats.out_path),

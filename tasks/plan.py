@@ -155,7 +155,7 @@ class PlanArrays:
         ]
 
 
-def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig) -> None:
+def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig, describe) -> None:
     if lengths.ndim != 1 or loss_token_counts.shape != lengths.shape:
         raise ValueError(
             f"lengths {lengths.shape} and loss_token_counts {loss_token_counts.shape} must be 1-D of equal length"
@@ -164,16 +164,17 @@ def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: Pl
         raise ValueError("nothing to plan: the dataset has 0 documents")
     if lengths.min() < 1:
         doc = int(np.argmin(lengths))
-        raise ValueError(f"doc {doc} has length {int(lengths[doc])}; every document needs at least 1 token")
+        raise ValueError(f"{describe(doc)} has length {int(lengths[doc])}; every document needs at least 1 token")
     if lengths.max() > config.tokens_per_rank:
         doc = int(np.argmax(lengths))
         raise ValueError(
-            f"doc {doc} has {int(lengths[doc])} tokens, more than tokens_per_rank={config.tokens_per_rank}; "
-            "drop long documents when building the index or raise tokens_per_rank"
+            f"{describe(doc)} has {int(lengths[doc])} tokens, more than a row holds (tokens_per_rank="
+            f"{config.tokens_per_rank}); raise plan.tokens_per_rank (--tokens-per-rank), or drop or truncate long "
+            "documents with data.spans.max_length (--max-length)"
         )
     if (loss_token_counts < 0).any() or (loss_token_counts > lengths).any():
         doc = int(np.argmax((loss_token_counts < 0) | (loss_token_counts > lengths)))
-        raise ValueError(f"doc {doc}: loss_token_counts={int(loss_token_counts[doc])} is outside [0, length]")
+        raise ValueError(f"{describe(doc)}: loss_token_counts={int(loss_token_counts[doc])} is outside [0, length]")
 
 
 def _epoch_rows(lengths: np.ndarray, config: PlanConfig, rng: np.random.Generator):
@@ -248,16 +249,19 @@ def _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config: PlanConfig, m
     )
 
 
-def plan(lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig) -> tuple[PlanArrays, PlanStats]:
+def plan(
+    lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig, describe=lambda doc: f"doc {doc}"
+) -> tuple[PlanArrays, PlanStats]:
     """Plan `config.epochs` epochs over documents with the given lengths and trainable-target counts.
 
     `loss_token_counts[i]` must count the targets the collator will train for doc `i` (tokens in loss spans other
-    than the doc's first token), so `step_loss_tokens` equals the sum of the step's `num_loss_tokens`.
+    than the doc's first token), so `step_loss_tokens` equals the sum of the step's `num_loss_tokens`. `describe(i)`
+    names doc `i` in error messages (its `file:line`, when the caller knows it).
     """
     start = time.perf_counter()
     lengths = np.asarray(lengths).astype(np.int64)
     loss_token_counts = np.asarray(loss_token_counts).astype(np.int64)
-    _check_inputs(lengths, loss_token_counts, config)
+    _check_inputs(lengths, loss_token_counts, config, describe)
     n = config.num_ranks
     doc_parts, slot_parts, dropped_parts, epoch_slots = [], [], [], []
     m = None

@@ -22,7 +22,15 @@ class PlanManifest(Manifest):
 
 def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, split: str = "train"):
     dataset = IndexedDataset(index_dir, split=split)
-    arrays, stats = plan(np.asarray(dataset.lengths), dataset.trainable_target_counts(), config)
+    if len(dataset) == 0:
+        dropped = dataset.index.meta.get("dropped", {})
+        came_in = dataset.index.meta.get("num_docs_in", 0)
+        raise ValueError(
+            f"nothing to plan: the dataset index {index_dir} has no {split} documents ({came_in} documents came in, "
+            f"dropped {dropped}); check that the sources hold records (an empty file yields none) and the rejects "
+            "files of the render and spans stages"
+        )
+    arrays, stats = plan(np.asarray(dataset.lengths), dataset.trainable_target_counts(), config, dataset.source)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, out_dir / "plan.npz")
     (out_dir / "stats.json").write_text(stats.model_dump_json(indent=2))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sftflow.tasks.demo import write_demo
 from tests.flows.conftest import run_cli
@@ -74,3 +76,58 @@ def test_train_and_eval_commands(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| tuned |" in result.stdout and "| base |" in result.stdout
     assert (tmp_path / "eval" / "report.md").is_file()
+
+
+def test_messages_say_where_and_what_to_do(tmp_path, caplog):
+    """Vague and silent cases of the first hour: each names the file or key and the way out."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from sftflow.flows.cli import app
+    from sftflow.flows.config import SFTConfig
+    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.plan_stage import plan_from_index
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", "--plan", str(tmp_path)])
+    assert result.exit_code == 2 and "--data is required" in result.output and "mock" not in result.output
+
+    config = tmp_path / "typo.yaml"
+    config.write_text("demo: {records: 50}\nplan: {tokens_per_rnak: 512}\ntrain: {lerning_rate: 1e-3}\nevla: {}\n")
+    with pytest.raises(ValueError) as err:
+        SFTConfig.from_yaml(config)
+    message = str(err.value)
+    assert message.startswith(f"{config}: ")
+    assert "unknown key 'plan.tokens_per_rnak'; did you mean 'plan.tokens_per_rank'?" in message
+    assert "unknown key 'evla'; did you mean 'eval'?" in message
+    assert "unknown key 'train.lerning_rate'; expected one of" in message and " lr," in message
+
+    demo = write_demo(tmp_path / "demo", n=40)
+    data = tmp_path / "data"
+    assert (
+        run_cli(
+            "data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data)
+        ).returncode
+        == 0
+    )
+    index = json.loads((data / "data.json").read_text())["index"]["path"]
+    with pytest.raises(
+        ValueError, match=r"conversations\.jsonl:\d+ has \d+ tokens, more than a row holds .*--max-length"
+    ):
+        plan_from_index(Path(index).parent, PlanConfig(num_ranks=1, tokens_per_rank=8), tmp_path / "plan")
+    shard = next(data.glob("**/shard.pbin"))
+    listing = runner.invoke(app, ["inspect", str(shard), "-n", "1"])
+    assert listing.exit_code == 0 and "pass --tokenizer" in listing.output
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with caplog.at_level(logging.WARNING):
+        result = run_cli(
+            "data", "--source", str(empty), "--tokenizer", str(demo["tokenizer"]), "--out", str(tmp_path / "e")
+        )
+    assert result.returncode == 0
+    assert f"{empty}: no records (an empty file?)" in result.stderr
+    index = json.loads((tmp_path / "e" / "data.json").read_text())["index"]["path"]
+    with pytest.raises(ValueError, match=r"nothing to plan: the dataset index .* has no train documents .*empty file"):
+        plan_from_index(Path(index).parent, PlanConfig(num_ranks=1, tokens_per_rank=512), tmp_path / "plan2")
