@@ -99,23 +99,24 @@ def input_manifests(config: TrainConfig) -> dict:
 
 
 def _logger():
-    from prefect import get_run_logger
-    from prefect.exceptions import MissingContextError
+    """The Prefect run logger inside a run, else the `sftflow.train` logger (also where prefect is not installed)."""
+    if _in_prefect_run():
+        from prefect import get_run_logger
 
-    try:
         return get_run_logger()
-    except MissingContextError:
-        logger = logging.getLogger("sftflow.train")
-        if not logger.hasHandlers():
-            logger.addHandler(logging.StreamHandler())
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-        return logger
+    logger = logging.getLogger("sftflow.train")
+    if not logger.hasHandlers():
+        logger.addHandler(logging.StreamHandler())
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return logger
 
 
 def _in_prefect_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
-
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+    except ImportError:  # a bare GPU image: no Prefect run can be in progress
+        return False
     return TaskRunContext.get() is not None or FlowRunContext.get() is not None
 
 

@@ -4,9 +4,9 @@ The model is built on the meta device (no memory, no random init). Its buffers (
 scale) are not in checkpoints; they are computed on the CPU by the model's own `_init_weights`, the code
 `from_pretrained` runs for them. After sharding (FSDP2 turns each parameter into a DTensor holding this rank's rows),
 `materialize` allocates the rank's storage on its device and fills each parameter from the safetensors files with
-`safe_open(...).get_slice`, reading only this rank's rows of each tensor and converting them to the parameter's
-dtype one tensor at a time. Peak host memory is one tensor's slice; tied weights stay one parameter (they are
-tied on the meta model and FSDP keeps them so).
+`safe_open(...).get_slice`, reading only this rank's rows of each tensor, one tensor at a time, and converting them
+to the parameter's dtype as they are copied in. Peak host memory is one tensor's slice, in the checkpoint's dtype;
+tied weights stay one parameter (they are tied on the meta model and FSDP keeps them so).
 
 Checkpoints whose tensor names differ from the model's (transformers renames or fuses some on load, e.g. the
 experts of Qwen3-MoE) or that are not safetensors are loaded by `from_pretrained` instead, whole, on every rank
@@ -145,5 +145,5 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, files: 
                         f"{path}: tensor {name} has shape {tuple(value.shape)} for this rank, the model expects "
                         f"{tuple(local.shape)}; the checkpoint does not match its config.json"
                     )
-                local.copy_(value.to(local.dtype))
+                local.copy_(value)  # converted on the way (on the GPU, for a GPU parameter): no fp32 copy on the host
     log.info("loaded %d tensors from %s (this rank's rows of each)", sum(map(len, by_file.values())), files.folder)

@@ -234,3 +234,30 @@ def test_the_launcher_refuses_such_a_model_before_starting_any_worker(tmp_path):
         run(base, tmp_path / "run")
     assert "model_type 'gemma2' is not one of the families" in str(err.value)
     assert not (tmp_path / "run" / "run.json").exists()  # refused before the launcher wrote anything for torchrun
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "phi4_mini", "qwen2_5", "qwen3_moe", "smollm3"])
+def test_compiled_layers_on_a_gpu_train_what_hf_computes(name, tmp_path):
+    """The GPU path users get: one device (no FSDP), compiled decoder layers with the Triton attention op and the
+    T-major RoPE inside their graphs, windows and partial RoPE included; in fp32, so that it is held to the eager
+    per-document reference as tightly as on the CPU."""
+    from train_helpers import losses, planned_mock, read_safetensors, run
+
+    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.train.data import load_plan, plan_row
+
+    folder = save_family_model(name, VOCAB, tmp_path / "model")
+    plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=1, seed=0)
+    mock = dict(num_docs=12, median_length=30, max_length=60, min_token_id=3)
+    base, dataset, _ = planned_mock(
+        tmp_path, VOCAB, None, plan_config, mock=mock, model=str(folder), tokenizer=None, save_grads_at_steps=(1,)
+    )
+    run(base, tmp_path / "run", max_steps=1, device="cuda", dtype="fp32", compile="auto", parallel="single")
+    rows = [[dataset[int(i)] for i in plan_row(load_plan(tmp_path / "plan"), 0, 0, 0)]]
+    want_loss, want_grads = hf_reference(folder, rows)
+    got_loss = losses(tmp_path / "run")[0]
+    assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss), (got_loss, want_loss)
+    got_grads = read_safetensors(tmp_path / "run" / "debug" / "grads-step-1.safetensors")
+    for pname, want in want_grads.items():
+        assert rel_err(got_grads[pname], want) <= 1e-4, pname
