@@ -18,6 +18,7 @@ the nonce.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from contextvars import ContextVar
@@ -41,7 +42,9 @@ from sftflow.tasks.template_limits import (
     width_checked,
 )
 
-BUILTIN_TEMPLATES = ("chatml", "llama3")
+log = logging.getLogger(__name__)
+
+BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "gemma", "phi3", "zephyr")
 _GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Generation markers of any render; `_strip_markers` keeps only those carrying this render's nonce. One pattern for
 # all renders: compiling one per render (per nonce) was a third of the render stage's time.
@@ -241,22 +244,27 @@ def builtin_template_text(name: str) -> str:
     return resources.files("sftflow.tasks").joinpath(f"templates/{name}.jinja").read_text(encoding="utf-8")
 
 
-def load_template(spec: str | None, tokenizer=None) -> ChatTemplate:
-    """Resolve a template: `None`/"tokenizer" (the tokenizer's `chat_template`), a built-in name, or a `.jinja` path.
+def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the tokenizer") -> ChatTemplate:
+    """Resolve a template: `None`/"tokenizer" (the tokenizer's `chat_template`), "auto" (the tokenizer's if it has
+    generation tags, else the shipped tagged template that renders the same text: `sftflow.tasks.template_match`), a
+    built-in name, or a `.jinja` path.
 
     `tokenizer` (a Hugging Face tokenizer) supplies the special tokens the template may use, and the template itself
-    when `spec` is None.
+    for `None` and "auto".
     """
     special = dict(tokenizer.special_tokens_map) if tokenizer is not None else {}
     special = {k: v for k, v in special.items() if isinstance(v, str)}
-    if spec is None or spec == "tokenizer":
+    if spec in (None, "tokenizer", "auto"):
         text = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         if not isinstance(text, str) or not text:
             raise ValueError(
-                "template: the tokenizer has no chat_template; pass a built-in name "
+                f"template: {tokenizer_name} has no chat_template; name a built-in one "
                 f"({'/'.join(BUILTIN_TEMPLATES)}) or a .jinja file"
             )
-        return ChatTemplate(text, special, name="tokenizer.chat_template")
+        own = ChatTemplate(text, special, name="tokenizer.chat_template")
+        if spec != "auto" or own.has_generation_tag:
+            return own
+        return _matching_builtin(own, special, tokenizer_name)
     if spec in BUILTIN_TEMPLATES:
         return ChatTemplate(builtin_template_text(spec), special, name=spec)
     path = Path(spec)
@@ -265,5 +273,22 @@ def load_template(spec: str | None, tokenizer=None) -> ChatTemplate:
             raise ValueError(f"template: file {spec} does not exist")
         return ChatTemplate(path.read_text(encoding="utf-8"), special, name=str(path))
     raise ValueError(
-        f"template: {spec!r} is neither a built-in template ({'/'.join(BUILTIN_TEMPLATES)}) nor a .jinja file"
+        f"template: {spec!r} is neither 'auto', a built-in template ({'/'.join(BUILTIN_TEMPLATES)}) nor a .jinja file"
+    )
+
+
+def _matching_builtin(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> ChatTemplate:
+    from sftflow.tasks.template_match import renders_alike
+
+    for name in BUILTIN_TEMPLATES:
+        candidate = ChatTemplate(builtin_template_text(name), special, name=name)
+        if renders_alike(own, candidate):
+            log.info("template auto: %s renders what the chat_template of %s renders; using it", name, tokenizer_name)
+            candidate.name = f"{name} (auto: matches {tokenizer_name}'s chat_template)"
+            return candidate
+    raise ValueError(
+        f"template auto: the chat_template of {tokenizer_name} has no {{% generation %}} tags and renders like none "
+        f"of sftflow's tagged templates ({'/'.join(BUILTIN_TEMPLATES)}); either give a copy of it with "
+        "{% generation %}...{% endgeneration %} around each assistant turn (render.template: my.jinja), or set "
+        "render.mask_policy: roles to train the assistant turns found by rendering prefixes"
     )

@@ -34,12 +34,14 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class RenderConfig(BaseModel):
-    """How records become text. `template` is None (the tokenizer's), a built-in name (chatml, llama3) or a .jinja."""
+    """How records become text. `template`: "auto" (the tokenizer's template if it has generation tags, else the
+    shipped tagged template that renders the same text), None (the tokenizer's, as it is), a built-in name or a
+    .jinja file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text_spans"] = "auto"
-    template: str | None = None
+    template: str | None = "auto"
     mask_policy: Literal["generation", "roles"] = "generation"
     train_roles: tuple[Literal["system", "user", "assistant", "tool"], ...] = ("assistant",)
     on_bad_record: Literal["error", "reject"] = "error"
@@ -304,4 +306,7 @@ def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = N
         if config.format == "text_spans":
             return None
         raise ValueError("template: no template given and no tokenizer to take its chat_template from")
-    return load_template(config.template, tokenizer)
+    spec = config.template
+    if spec == "auto" and config.mask_policy == "roles":
+        spec = None  # the roles policy needs no tags: the tokenizer's own template, as it is
+    return load_template(spec, tokenizer, tokenizer_name=str(tokenizer_path))

@@ -135,9 +135,79 @@ def test_load_template_sources(tmp_path, tiny_tokenizer):
     assert load_template(str(path), tiny_tokenizer).render([])[0] == "<|im_end|>"
     assert load_template(None, tiny_tokenizer).text == tiny_tokenizer.chat_template
     assert load_template("chatml").text == builtin_template_text("chatml")
-    with pytest.raises(ValueError, match="neither a built-in"):
+    with pytest.raises(ValueError, match="neither .auto., a built-in"):
         load_template("chatml2")
     with pytest.raises(ValueError, match="does not exist"):
         load_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for %}")
+
+
+# The stock (or stock-equivalent) templates in ../shared/data/templates and the tagged template that renders like each.
+OFFICIAL = {
+    "trl-llama3.jinja": ("llama3", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "trl-qwen2_5.jinja": ("qwen2_5", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "trl-gemma_training.jinja": ("gemma", {"bos_token": "<bos>", "eos_token": "<eos>"}),
+    "trl-phi3_training.jinja": ("phi3", {"eos_token": "<|endoftext|>"}),
+    "smollm2-trl-chatml.jinja": ("chatml", {"eos_token": "<|im_end|>"}),
+    "tinyllama-1.1b-chat-v1.0-zephyr.jinja": ("zephyr", {"bos_token": "<s>", "eos_token": "</s>"}),
+}
+
+
+def _tokenizer_with(template_text: str, special: dict[str, str]):
+    import types
+
+    return types.SimpleNamespace(chat_template=template_text, special_tokens_map=special)
+
+
+@pytest.mark.parametrize("official", sorted(OFFICIAL))
+def test_auto_picks_the_tagged_template_that_renders_what_the_official_one_renders(official, shared_data):
+    from sftflow.tasks.template_match import PROBES
+
+    import re
+
+    expected, special = OFFICIAL[official]
+    # TRL's training copies of Gemma's and Phi-3's templates are the stock ones plus generation tags: without the
+    # tags, they are what those tokenizers ship.
+    text = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", (shared_data / "templates" / official).read_text())
+    picked = load_template("auto", _tokenizer_with(text, special), tokenizer_name="some/model")
+    assert picked.name == f"{expected} (auto: matches some/model's chat_template)"
+    stock = ChatTemplate(text, special)
+    for messages, tools in PROBES[:4]:
+        try:
+            want = stock.render(messages, tools)[0]
+        except TemplateError:
+            continue
+        got, spans = picked.render(messages, tools)
+        assert got == want
+        # Every assistant turn is trained, from its content to its end-of-turn token.
+        contents = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+        assert len(spans) >= len(contents)
+        for content, (start, end) in zip(contents, spans, strict=False):
+            assert got[start:end].strip().startswith(content)
+
+
+def test_auto_keeps_a_tagged_template_and_explains_when_nothing_matches():
+    tagged = builtin_template_text("chatml")
+    assert load_template("auto", _tokenizer_with(tagged, {})).name == "tokenizer.chat_template"
+    odd = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError) as err:
+        load_template("auto", _tokenizer_with(odd, {}), tokenizer_name="org/odd-model")
+    message = str(err.value)
+    assert "org/odd-model" in message and "{% generation %}" in message and "mask_policy: roles" in message
+
+
+@pytest.mark.parametrize(
+    ("folder", "expected"), [("smollm2-135m-chatml", "chatml"), ("tinyllama-1.1b-chat-v1.0", "zephyr")]
+)
+def test_auto_on_real_tokenizers(folder, expected, shared_data):
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.render import RenderConfig, resolve_template
+
+    path = shared_data / "tokenizers" / folder
+    template = resolve_template(RenderConfig(), path)  # the default: template auto, mask_policy generation
+    assert template.name.startswith(f"{expected} (auto:")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert template.render(messages)[0] == tokenizer.apply_chat_template(messages, tokenize=False)
