@@ -285,6 +285,10 @@ def train(
     parallel: Annotated[
         str | None, typer.Option(help="auto|fsdp|single: FSDP2, or one device without sharding (auto: single on 1 GPU)")
     ] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="train LoRA adapters of this rank on a frozen base")] = None,
+    lora_alpha: Annotated[float | None, typer.Option(help="LoRA alpha (default: twice the rank)")] = None,
+    lora_dropout: Annotated[float | None, typer.Option(help="LoRA dropout")] = None,
+    lora_targets: Annotated[str | None, typer.Option(help="all-linear, or module names: q_proj,v_proj")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML with TrainConfig fields")] = None,
 ) -> None:
     """Train with torchrun (FSDP2, packed rows, DCP checkpoints) and export a Hugging Face folder."""
@@ -319,6 +323,9 @@ def train(
     )
     for key, value in flags.items():
         _set(raw, key, value)
+    lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, targets=lora_targets)
+    if any(v is not None for v in lora.values()):
+        raw["lora"] = {**(raw.get("lora") or {}), **{k: v for k, v in lora.items() if v is not None}}
     result = run_train(TrainConfig.model_validate(raw), resume=resume)
     typer.echo(result.model_dump_json(indent=2))
 

@@ -119,14 +119,26 @@ def document_causal_mask(
 
 
 def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
-    T, H, _ = q_THD.shape
-    group = H // k_TKD.shape[1]
-    mask = document_causal_mask(cu_seqlens, T, q_THD.device, window)
-    q = q_THD.transpose(0, 1)[None]
-    k = _expand_kv(k_TKD, group).transpose(0, 1)[None]
-    v = _expand_kv(v_TKD, group).transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return o.squeeze(0).transpose(0, 1)  # a squeeze: its backward is a view (a select's copies into zeros)
+    """The documents side by side, padded to the longest (on the right), through SDPA's causal path: work and memory
+    O(N L^2) for N documents of up to L tokens, where one (T, T) block-diagonal mask would cost O(T^2) (on a CPU,
+    half of a small model's step). Right padding never reaches a real query: it sits after every real key."""
+    group = q_THD.shape[1] // k_TKD.shape[1]
+    # Split, pad and concatenate (copies whose backward is slicing), not a gather by index, whose backward is a
+    # scatter-add: a third of this function's time on a CPU. The lengths come to the host: this is the reference.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+    def padded(x):
+        return torch.nn.utils.rnn.pad_sequence(torch.split(x, lengths), batch_first=True).transpose(1, 2)
+
+    q, k, v = padded(q_THD), padded(_expand_kv(k_TKD, group)), padded(_expand_kv(v_TKD, group))
+    if window is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(q.shape[2], device=q.device)
+        visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    o = o.transpose(1, 2)  # (N, L, H, D); documents are consecutive in the row
+    return torch.cat([o[i, :n] for i, n in enumerate(lengths)])
 
 
 def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):

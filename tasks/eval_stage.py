@@ -17,8 +17,18 @@ from sftflow.tasks.reader import IndexedDataset
 
 
 def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
+    """A Hugging Face folder, preset or config; a PEFT adapter folder (a LoRA run exported without `merge`) is loaded
+    onto the base it names and merged."""
     from sftflow.tasks.train.model import build_model
 
+    adapter = Path(ref.spec) / "adapter_config.json"
+    if adapter.is_file():
+        from peft import PeftModel
+
+        base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        torch.manual_seed(ref.seed)
+        model = build_model(base, vocab_size=vocab_size, packed=False, overrides=ref.overrides)
+        return PeftModel.from_pretrained(model, ref.spec).merge_and_unload()
     # The same seed and builder as the training worker, so a preset's "base" is the run's step-0 weights.
     torch.manual_seed(ref.seed)
     return build_model(ref.spec, vocab_size=vocab_size, packed=False, overrides=ref.overrides)

@@ -48,14 +48,22 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
+    """The model's parameters under their Hugging Face names; with `trained_only` (a LoRA run) just the trained ones
+    (the adapters): the frozen base comes from its own checkpoint, not from the run's."""
+
+    def __init__(self, model: nn.Module, trained_only: bool = False):
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
+        # `ignore_frozen_params` still lets a tied head through under its second name: filter by the trained names.
+        self.trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        self.trained_only = trained_only
 
     def state_dict(self):
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model, options=self.options)
+        return {k: v for k, v in state.items() if k in self.trained} if self.trained_only else state
 
     def load_state_dict(self, state_dict):
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=self.options)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on rank 0's CPU (export); a collective, call it on every rank."""

@@ -22,6 +22,33 @@ RUN_FORMAT_VERSION = 1
 COMPONENTS = ("model", "optimizer", "lr_scheduler", "progress")
 
 
+class LoraSettings(BaseModel):
+    """`train.lora`: the adapters. `alpha` defaults to twice the rank (a scale of 2, as common recipes use)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(16, ge=1)
+    alpha: float | None = Field(None, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: str | tuple[str, ...] = Field("all-linear", description="'all-linear' or module names (q_proj, ...)")
+    merge: bool = Field(True, description="also export the merged full model in hf/")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str) and value != "all-linear":
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, list):
+            value = tuple(value)
+        if value == ():
+            raise ValueError("lora.targets is empty; give 'all-linear' or module names such as q_proj,v_proj")
+        return value
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class TrainConfig(BaseModel):
     """The `train` stage's whole configuration; `sftflow train` flags map onto these fields one to one."""
 
@@ -79,6 +106,10 @@ class TrainConfig(BaseModel):
         "masters in the optimizer); auto = single on one CUDA device, fsdp otherwise",
     )
 
+    # parameter-efficient fine-tuning
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters on a frozen base (peft)")
+    quantize: Literal["none", "nf4"] = Field("none", description="nf4: QLoRA, the frozen base in 4 bits")
+
     # checkpoints and export
     checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
     keep_last: int = Field(2, ge=1)
@@ -124,6 +155,8 @@ class TrainConfig(BaseModel):
                 f"parallel='single' trains in one process; got nproc={self.nproc} x nnodes={self.nnodes} "
                 "(use parallel='fsdp' or 'auto')"
             )
+        if self.quantize != "none" and self.lora is None:
+            raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self

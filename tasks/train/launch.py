@@ -249,7 +249,19 @@ def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     from sftflow.tasks.train.config import checkpoint_config
     from sftflow.tasks.train.model import preflight
 
-    preflight(config.model, packed=plan.mode == "packed", overrides=config.model_overrides)
+    preflight(config.model, packed=plan.mode == "packed", overrides=config.model_overrides, lora=config.lora)
+    if config.quantize == "nf4":
+        import importlib.util
+
+        import torch
+
+        if config.device == "cpu" or not torch.cuda.is_available():
+            raise ValueError("train.quantize: nf4 (QLoRA) runs on CUDA GPUs only; this run has none")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("train.quantize: nf4 (QLoRA) needs bitsandbytes: pip install 'sftflow[qlora]'")
+        raise ValueError(
+            "train.quantize: nf4 (QLoRA) is not supported yet; train LoRA on the bf16 base (quantize: none)"
+        )
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
         verify_checksums(checkpoint)  # before any reader unpickles its .metadata
@@ -273,6 +285,8 @@ def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     latest = latest_checkpoint(run_dir / "checkpoints")
     hf = run_dir / "hf"
+    # The full model (merged, for a LoRA run), else a LoRA run's adapter alone (`lora.merge: false`).
+    exported = hf if (hf / "config.json").is_file() else hf / "adapter" if (hf / "adapter").is_dir() else None
     if records and _in_prefect_run():
         from prefect.artifacts import create_table_artifact
 
@@ -287,5 +301,5 @@ def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
         trained_tokens=sum(r["trained_tokens"] for r in records),
         metrics_path=str(run_dir / "metrics.jsonl"),
         checkpoint=str(latest) if latest else None,
-        hf_dir=str(hf) if (hf / "config.json").is_file() else None,
+        hf_dir=str(exported) if exported is not None else None,
     )

@@ -113,12 +113,19 @@ def model_config(spec: str, *, vocab_size: int | None, overrides: dict | None = 
     return AutoConfig.from_pretrained(spec, **overrides)
 
 
-def preflight(spec: str, *, packed: bool, overrides: dict | None = None) -> None:
+def preflight(spec: str, *, packed: bool, overrides: dict | None = None, lora=None) -> None:
     """The model checks the worker makes, run before launching it: from the config alone (no weights are read), so a
     model the worker would refuse fails here with one located line instead of after torchrun has started."""
     # A preset's vocabulary comes from the data inside the worker; its structure is all that is checked here.
     config = model_config(spec, vocab_size=1 if spec in PRESETS else None, overrides=overrides)
     check_config(config, packed=packed, spec=spec)
+    if lora is not None and not isinstance(lora.targets, str):
+        from transformers import AutoModelForCausalLM
+
+        from sftflow.tasks.train.lora import check_targets
+
+        with torch.device("meta"):
+            check_targets(AutoModelForCausalLM.from_config(config), lora, spec)
 
 
 def build_model(spec: str, *, vocab_size: int | None, packed: bool, overrides: dict | None = None) -> nn.Module:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from sftflow.tasks.train.lora import checkpoint_name, initial_adapter, is_adapter
+
 log = logging.getLogger("sftflow.train")
 
 SINGLE_FILE = "model.safetensors"
@@ -108,9 +110,12 @@ def _rows(param: torch.Tensor) -> tuple[int, int] | None:
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, model: nn.Module, device: torch.device, files: CheckpointFiles | None) -> None:
+def materialize(
+    root: nn.Module, model: nn.Module, device: torch.device, files: CheckpointFiles | None, seed: int = 0
+) -> None:
     """Give the meta `model` (inside `root`, the module that was sharded, or `model` itself) real storage on `device`:
-    its buffers as computed on the CPU, its parameters read from `files`, each rank its own rows."""
+    its buffers as computed on the CPU, its parameters read from `files`, each rank its own rows, and LoRA adapters
+    (which no base checkpoint holds) as PEFT initialises them (`sftflow.tasks.train.lora.initial_adapter`)."""
     from safetensors import safe_open
 
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
@@ -124,20 +129,27 @@ def materialize(root: nn.Module, model: nn.Module, device: torch.device, files: 
             setattr(model.get_submodule(parent), attr, shared)
     for name, value in buffers.items():
         model.get_buffer(name).copy_(value)
+    tensors = _state_tensors(model)
+    for name, tensor in tensors.items():
+        if is_adapter(name):
+            rows = _rows(tensor) or (0, tensor.shape[0])
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(initial_adapter(name, tensor.shape, seed)[rows[0] : rows[1]])
     if files is None:
         return
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in _state_tensors(model).items():
-        by_file.setdefault(files.files[name], []).append((name, tensor))
-    for path, tensors in by_file.items():
+    for name, tensor in tensors.items():
+        if not is_adapter(name):
+            by_file.setdefault(files.files[checkpoint_name(name)], []).append((name, tensor))
+    for path, pending in by_file.items():
         with safe_open(path, framework="pt") as f:
-            for name, tensor in tensors:
+            for name, tensor in pending:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 rows = _rows(tensor)
                 if rows is None:
-                    value = f.get_tensor(name)
+                    value = f.get_tensor(checkpoint_name(name))
                 elif rows[1] > rows[0]:
-                    value = f.get_slice(name)[rows[0] : rows[1]]
+                    value = f.get_slice(checkpoint_name(name))[rows[0] : rows[1]]
                 else:
                     continue  # a rank past the end of a short tensor holds no rows of it
                 if tuple(value.shape) != tuple(local.shape):

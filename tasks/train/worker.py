@@ -41,8 +41,10 @@ from sftflow.tasks.train.compile import compile_layers, resolve_compile
 from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
+from sftflow.tasks.train.lora import apply_lora, export_adapter, freeze_in_dtype
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
 from sftflow.tasks.train.model import (
+    CausalLMLoss,
     attention_width,
     build_training_model,
     count_params,
@@ -56,9 +58,11 @@ log = logging.getLogger("sftflow.train")
 
 
 def param_groups(model: torch.nn.Module, c: cfg.OptimConfig) -> list[dict]:
-    """Weight decay on matrices only (not on norms and biases)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """The trained parameters (all, or a LoRA run's adapters), with weight decay on matrices only (not on norms and
+    biases)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     return [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -86,23 +90,32 @@ def parallelize(
     c: cfg.OptimConfig,
     weights: CheckpointFiles | None = None,
     on_meta: bool = False,
+    lora: bool = False,
+    seed: int = 0,
 ):
     """The training module (`CausalLMLoss` root), its optimizer and the `model` checkpoint component, for `parallel`
     (resolved): FSDP2 with fused AdamW, or one device with bf16 weights and `MasterAdamW`.
 
     A model `on_meta` gets its storage here, after sharding, and its weights from `weights` (each rank its rows);
-    with `weights` None it is left for a checkpoint to fill."""
+    with `weights` None it is left for a checkpoint to fill. With `lora`, the frozen base is held in `param_dtype`,
+    the adapters and their fused AdamW stay fp32, and checkpoints hold the adapters only."""
+    if lora:
+        freeze_in_dtype(lm, param_dtype)
     if parallel == "single":
         if on_meta:
-            materialize(lm, lm, env.device, weights)
+            materialize(lm, lm, env.device, weights, seed=seed)
+        if lora:
+            lm.to(env.device)
+            model = CausalLMLoss(lm)
+            return model, build_optimizer(model, c), ModelState(lm, trained_only=True)
         model, optimizer = single_device_model(
             lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps
         )
         return model, optimizer, MasterModelState(lm, optimizer)
     model = shard_model(lm, env, param_dtype)
     if on_meta:
-        materialize(model, lm, env.device, weights)
-    return model, build_optimizer(model, c), ModelState(lm)
+        materialize(model, lm, env.device, weights, seed=seed)
+    return model, build_optimizer(model, c), ModelState(lm, trained_only=lora)
 
 
 def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
@@ -314,6 +327,8 @@ def train(run_dir: Path) -> None:
     lm, weights = build_training_model(
         config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides
     )
+    if config.lora is not None:
+        apply_lora(lm, config.lora, config.model)
     compiled = resolve_compile(config.compile, env.device)
     param_dtype = compute_dtype(env, config.dtype)
     if compiled:
@@ -321,10 +336,12 @@ def train(run_dir: Path) -> None:
     optim_c = cfg.optim_config(config)
     parallel = resolve_parallel(config.parallel, env)
     checkpoint_c = cfg.checkpoint_config(config)
-    # Weights a checkpoint is about to replace are not read.
-    weights = None if restores_model(checkpoint_c) else weights
+    # Weights a checkpoint is about to replace are not read (a LoRA checkpoint holds only the adapters).
+    weights = None if restores_model(checkpoint_c) and config.lora is None else weights
     on_meta = any(p.is_meta for p in lm.parameters())
-    model, optimizer, model_state = parallelize(lm, env, parallel, param_dtype, optim_c, weights, on_meta)
+    model, optimizer, model_state = parallelize(
+        lm, env, parallel, param_dtype, optim_c, weights, on_meta, lora=config.lora is not None, seed=config.seed
+    )
     # The learning-rate curve spans the whole plan (or `schedule_steps`), whatever `max_steps` stops at: stopping early
     # and resuming with another `max_steps` never bends it.
     schedule_c = cfg.schedule_config(config, config.schedule_steps or plan.num_steps)
@@ -345,7 +362,8 @@ def train(run_dir: Path) -> None:
         total_steps=total_steps,
         steps_per_epoch=plan.steps_per_epoch,
         num_devices=env.world_size,
-        flops_per_token=6 * n_dense,
+        # Frozen weights need no weight gradients: 4 FLOPs per parameter and token, not 6 (adapters are negligible).
+        flops_per_token=(6 if config.lora is None else 4) * n_dense,
         attn_flops_per_sq_token=6 * lm.config.num_hidden_layers * attention_width(lm.config),
         resume_step=progress.step,
     )
@@ -432,8 +450,17 @@ def train(run_dir: Path) -> None:
     if config.export:
         state_dict = model_state.full_state_dict()
         if env.is_main:
-            export_hf(state_dict, lm.config, Path(run_dir) / "hf", tokenizer=tokenizer_path, dtype=config.export_dtype)
-            print(f"[train] exported {Path(run_dir) / 'hf'}", flush=True)
+            out = Path(run_dir) / "hf"
+            if config.lora is not None:
+                merged = export_adapter(state_dict, lm.config, config.lora, config.model, out)
+                if tokenizer_path is not None:
+                    from transformers import AutoTokenizer
+
+                    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out / "adapter")
+                state_dict = merged.state_dict() if config.lora.merge else None
+            if state_dict is not None:
+                export_hf(state_dict, lm.config, out, tokenizer=tokenizer_path, dtype=config.export_dtype)
+            print(f"[train] exported {out}", flush=True)
         dist.barrier()
     if env.device.type == "cuda" and env.is_main:
         print(f"[train] peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)

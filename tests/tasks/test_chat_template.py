@@ -162,9 +162,9 @@ def _tokenizer_with(template_text: str, special: dict[str, str]):
 
 @pytest.mark.parametrize("official", sorted(OFFICIAL))
 def test_auto_picks_the_tagged_template_that_renders_what_the_official_one_renders(official, shared_data):
-    from sftflow.tasks.template_match import PROBES
-
     import re
+
+    from sftflow.tasks.template_match import PROBES
 
     expected, special = OFFICIAL[official]
     # TRL's training copies of Gemma's and Phi-3's templates are the stock ones plus generation tags: without the

@@ -1,0 +1,112 @@
+"""LoRA through `peft`: low-rank adapters on a frozen base, trained and checkpointed alone, exported in PEFT's format.
+
+`apply_lora` injects PEFT's LoRA layers into the Hugging Face model in place (`peft.inject_adapter_in_model`), so the
+model keeps its class, its decoder layers (FSDP units, compiled regions) and sftflow's attention and fused loss; a
+wrapped `nn.Linear` becomes `<name>.base_layer` beside `<name>.lora_A.default` and `<name>.lora_B.default`. Only the
+adapters require gradients. What else changes for a LoRA run:
+
+- the frozen base is held in the compute dtype (bf16 on GPUs; the adapters and their AdamW state stay fp32), and its
+  weights are read from the checkpoint even on a resume (checkpoints hold only the adapters);
+- an adapter built on the meta device (a checkpoint read shard by shard) is initialised here as PEFT initialises it
+  (`lora_A` Kaiming-uniform, `lora_B` zeros, so step 0 computes the base model), from a generator seeded by the run's
+  seed and the parameter's name, so every rank and world size starts from the same adapters;
+- the export writes `hf/adapter/` (`adapter_config.json`, `adapter_model.safetensors`, loadable by
+  `peft.PeftModel.from_pretrained(base, path)`) and, with `merge`, the merged model in `hf/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sftflow.tasks.train.config import LoraSettings
+
+ADAPTER = "default"  # PEFT's adapter name
+
+
+def peft_config(settings: LoraSettings, base: str | None = None):
+    from peft import LoraConfig
+
+    targets = settings.targets if isinstance(settings.targets, str) else list(settings.targets)
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.scale_alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        base_model_name_or_path=base,
+        task_type="CAUSAL_LM",
+    )
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The last name parts of the model's `nn.Linear` modules (what `targets` can name), without the LM head."""
+    head = model.get_output_embeddings()
+    linear = (name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head)
+    return sorted({name.rsplit(".", 1)[-1] for name in linear})
+
+
+def check_targets(model: nn.Module, settings: LoraSettings, spec: str) -> None:
+    linear = linear_module_names(model)
+    if not isinstance(settings.targets, str):
+        unknown = [t for t in settings.targets if t not in linear]
+        if unknown:
+            raise ValueError(
+                f"lora.targets: {unknown} name no linear module of {spec!r}; its linear modules are {linear} "
+                "(or use 'all-linear')"
+            )
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings, spec: str) -> None:
+    """Inject the adapters into `model` (in place) and freeze everything else."""
+    from peft import inject_adapter_in_model
+
+    check_targets(model, settings, spec)
+    inject_adapter_in_model(peft_config(settings), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def checkpoint_name(name: str) -> str:
+    """The checkpoint's name of a model tensor: a wrapped layer's `base_layer` is the original module."""
+    return name.replace(".base_layer.", ".")
+
+
+def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The initial value of adapter tensor `name`, as PEFT initialises it, the same on every rank and world size."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    if ".lora_A." in name:
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+    return out
+
+
+def freeze_in_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold the frozen base in `dtype` (the compute dtype): no fp32 copy of weights that never change. The parameters
+    stay the same objects (`.data` is replaced), so tied ones stay tied."""
+    for param in model.parameters():
+        if not param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def export_adapter(state_dict: dict[str, torch.Tensor], config, settings: LoraSettings, base: str, out: Path):
+    """Write `out/adapter` (PEFT format) from the run's full state dict; return the merged model (for `hf/`)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    peft_model = get_peft_model(model, peft_config(settings, base))
+    missing, unexpected = peft_model.base_model.model.load_state_dict(state_dict, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"export to {out}: missing weights {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    peft_model.save_pretrained(out / "adapter", safe_serialization=True)
+    return peft_model.merge_and_unload()
