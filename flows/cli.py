@@ -34,13 +34,13 @@ def _options(
     set_debug(debug)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     from sftflow.flows.console import log_file
 
     where = log_file()
     details = f" (details: {where})" if where is not None else ""
     typer.secho(f"error: {message}{details}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 def _user_errors(fn):
@@ -50,6 +50,7 @@ def _user_errors(fn):
     from pydantic import BaseModel, ValidationError
 
     from sftflow.flows.local_api import LocalAPIError
+    from sftflow.tasks.train.launch import TrainingFailed
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -61,6 +62,8 @@ def _user_errors(fn):
             _fail(f"config: {explain_validation_error(err, validated_models().get(err.title, BaseModel))}")
         except (ValueError, FileNotFoundError, LocalAPIError) as err:
             _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        except TrainingFailed as err:  # a crash, not bad input: one line too, with the log above it
+            _fail(str(err), code=1)
 
     return wrapper
 
@@ -199,6 +202,7 @@ def plan(
     _quiet_defaults()
     import numpy as np
 
+    from sftflow.tasks.atomic import write_atomic
     from sftflow.tasks.plan import PlanConfig, save_plan
     from sftflow.tasks.plan import plan as make_plan
 
@@ -222,7 +226,7 @@ def plan(
         arrays, plan_stats = make_plan(doc_lengths, np.maximum(doc_lengths - 1, 0), config)
         out.mkdir(parents=True, exist_ok=True)
         save_plan(arrays, out / "plan.npz")
-        (out / "stats.json").write_text(plan_stats.model_dump_json(indent=2))
+        write_atomic(out / "stats.json", plan_stats.model_dump_json(indent=2))
     else:
         import shutil
 

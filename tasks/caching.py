@@ -135,6 +135,17 @@ def _forget_record(task_ctx, key: str) -> None:
     Path(resolve(key)).unlink(missing_ok=True)
 
 
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry anything but bad input (a `ValueError`): a crashed or killed training run resumes on retry."""
+    try:
+        state.result()
+    except ValueError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
 def retry_on_io_error(task, task_run, state) -> bool:
     """Retry transient I/O failures; bad input (ValueError, a missing file) and a full disk, quota or read-only
     filesystem (a retry meets the same) are not retried."""

@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 from prefect import task
 
+from sftflow.tasks.atomic import write_atomic
 from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
 from sftflow.tasks.eval_report import markdown_summary, metrics_table, plot_loss_curve
 from sftflow.tasks.evaluate import EvalResult, evaluate_models
 from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.index import load_index
 from sftflow.tasks.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef
 from sftflow.tasks.reader import IndexedDataset
 
@@ -47,7 +49,7 @@ def evaluate_run(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    dataset = IndexedDataset(index_dir, split="eval")
+    dataset = IndexedDataset(load_index(index_dir, verify=True), split="eval")  # arrays checked against index.json
     if len(dataset) == 0:
         raise ValueError(f"{index_dir}: the eval split is empty; set index.eval_fraction > 0")
     count = len(dataset) if config.max_docs is None else min(len(dataset), config.max_docs)
@@ -61,8 +63,8 @@ def evaluate_run(
     plot = None
     if metrics_path is not None:
         plot = plot_loss_curve(metrics_path, result, final_step, out_dir / "loss_curve.png")
-    (out_dir / "report.json").write_text(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
-    (out_dir / "report.md").write_text(markdown_summary(result, plot))
+    write_atomic(out_dir / "report.json", json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+    write_atomic(out_dir / "report.md", markdown_summary(result, plot))
     return result, out_dir / "report.json"
 
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
+from sftflow.tasks.atomic import write_atomic
 from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
 from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.index import load_index
 from sftflow.tasks.manifests import DatasetIndex, Manifest
 from sftflow.tasks.plan import PLAN_FORMAT_VERSION, PlanConfig, PlanStats, plan, save_plan
 from sftflow.tasks.reader import IndexedDataset
@@ -21,7 +23,8 @@ class PlanManifest(Manifest):
 
 
 def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, split: str = "train"):
-    dataset = IndexedDataset(index_dir, split=split)
+    # The index's arrays are checked against index.json (a byte flipped in them would change the plan silently).
+    dataset = IndexedDataset(load_index(index_dir, verify=True), split=split)
     if len(dataset) == 0:
         dropped = dataset.index.meta.get("dropped", {})
         came_in = dataset.index.meta.get("num_docs_in", 0)
@@ -33,7 +36,7 @@ def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, sp
     arrays, stats = plan(np.asarray(dataset.lengths), dataset.trainable_target_counts(), config, dataset.source)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, out_dir / "plan.npz")
-    (out_dir / "stats.json").write_text(stats.model_dump_json(indent=2))
+    write_atomic(out_dir / "stats.json", stats.model_dump_json(indent=2))
     return arrays, stats
 
 

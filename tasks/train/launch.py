@@ -273,8 +273,12 @@ def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     plan_steps = plan.num_steps
     total = plan_steps if config.max_steps is None else min(config.max_steps, plan_steps)
     progress = _Progress(run_dir / "metrics.jsonl", total, enabled=_in_prefect_run())
+    user_error = run_dir / "worker-error.txt"  # `sftflow.tasks.train.worker.USER_ERROR`
+    user_error.unlink(missing_ok=True)
     code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
     if code != 0:
+        if user_error.is_file():  # bad input found by a worker: one located line, and no retry can fix it
+            raise ValueError(user_error.read_text())
         raise TrainingFailed(f"torchrun exited with code {code} (run dir {run_dir}); see the log above")
     progress.tick(force=True)
     return _result(config, run_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import task
 
-from sftflow.tasks.caching import StageCache, write_checksums
+from sftflow.tasks.caching import StageCache, retry_unless_bad_input, write_checksums
 from sftflow.tasks.manifests import DatasetIndex
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.checkpoint import latest_checkpoint
@@ -33,6 +33,7 @@ _CHECKED = ("hf", "metrics.jsonl")
     cache_policy=TRAIN_CACHE,
     retries=2,
     retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_bad_input,
     persist_result=True,
     result_serializer="json",
 )

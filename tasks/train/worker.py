@@ -467,13 +467,27 @@ def train(run_dir: Path) -> None:
     dist.destroy_process_group()
 
 
+USER_ERROR = "worker-error.txt"
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: torchrun ... -m sftflow.tasks.train.worker RUN_DIR")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train(Path(argv[0]))
+    run_dir = Path(argv[0])
+    try:
+        train(run_dir)
+    except ValueError as err:
+        # Bad input found inside a worker (data that does not match its plan, ...): the launcher reports this one
+        # line instead of torchrun's traceback. The first rank to fail writes it.
+        try:
+            with open(run_dir / USER_ERROR, "x") as f:
+                f.write(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        except FileExistsError:
+            pass
+        raise
 
 
 if __name__ == "__main__":

@@ -271,3 +271,12 @@ def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base):
     assert steps > 12
     curve = schedule_config(config.model_copy(update={"warmup_steps": 2}), steps)
     assert lrs == pytest.approx([config.lr * lr_factor(s, curve) for s in range(6)], rel=1e-12)
+
+
+def test_bad_input_found_inside_a_worker_is_one_located_error_not_a_traceback(base):
+    """Data that does not match its plan is found by the workers at the first step; the launcher reports the
+    worker's one line as a `ValueError` (the CLI's exit 2, no Prefect retry) instead of torchrun's traceback."""
+    root, config = base
+    other_data = config.mock.model_copy(update={"seed": 5})
+    with pytest.raises(ValueError, match=r"plan.npz: step 0 plans \d+ trained tokens but its batches hold \d+"):
+        run(config, root / "mismatch", max_steps=2, mock=other_data)
