@@ -187,7 +187,7 @@ def plan(
     data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data`")] = None,
     lengths: Annotated[Path | None, typer.Option(help=".npy of document lengths (capacity planning)")] = None,
     num_ranks: Annotated[int, typer.Option(help="data-parallel ranks")] = 1,
-    tokens_per_rank: Annotated[int, typer.Option(help="capacity of one packed row")] = 4096,
+    tokens_per_rank: Annotated[int, typer.Option(help="capacity of one packed row")] = 2048,  # plan's default
     micro_batches_per_step: Annotated[int | None, typer.Option(help="micro-batches per optimizer step")] = None,
     target_tokens_per_step: Annotated[int | None, typer.Option(help="trainable tokens per step (instead)")] = None,
     epochs: Annotated[int, typer.Option()] = 1,

@@ -131,3 +131,14 @@ def test_messages_say_where_and_what_to_do(tmp_path, caplog):
     index = json.loads((tmp_path / "e" / "data.json").read_text())["index"]["path"]
     with pytest.raises(ValueError, match=r"nothing to plan: the dataset index .* has no train documents .*empty file"):
         plan_from_index(Path(index).parent, PlanConfig(num_ranks=1, tokens_per_rank=512), tmp_path / "plan2")
+
+
+def test_the_cli_and_the_config_share_their_defaults():
+    import inspect
+
+    from sftflow.flows.cli import plan
+    from sftflow.flows.config import PlanSection
+
+    defaults = {name: p.default for name, p in inspect.signature(plan).parameters.items()}
+    for name in ("tokens_per_rank", "epochs", "seed", "mode", "drop_last"):
+        assert defaults[name] == PlanSection.model_fields[name].default, name
