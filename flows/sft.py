@@ -59,4 +59,38 @@ def sft(
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
         trained = sft_train(config=cfg, force="train" in force, fault=fault, data=data, plan=plan)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
-    return SFTResult(data=data, plan=plan, train=trained, eval=report)
+    result = SFTResult(data=data, plan=plan, train=trained, eval=report)
+    from prefect.artifacts import create_markdown_artifact
+
+    # On the parent run, where a deployment's run page opens: the stage runs carry the details.
+    create_markdown_artifact(summary_markdown(result), key="sft-summary", description="sft: data, plan, train, eval")
+    return result
+
+
+def summary_markdown(result: SFTResult) -> str:
+    """The run at a glance: what each stage made, the eval table and the loss curve (inline, so the UI shows it)."""
+    import base64
+
+    s, t, m = result.plan.stats, result.train, result.eval.metrics
+    lines = [
+        "# sft",
+        "",
+        f"- data: {result.data.index.num_train} train / {result.data.index.num_eval} eval documents, "
+        f"{result.data.index.num_train_tokens} train tokens",
+        f"- plan: {s.num_steps} steps, packing efficiency {s.efficiency:.1%}",
+        f"- train: {t.steps} steps, final loss {t.final_loss}, model `{t.hf_dir}`",
+        "",
+        "| model | loss | perplexity | token accuracy | exact match |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in m.items():
+        exact = "n/a" if row["exact_match"] is None else f"{row['exact_match']:.1%}"
+        lines.append(
+            f"| {name} | {row['loss']:.4f} | {row['perplexity']:.2f} | {row['token_accuracy']:.1%} | {exact} |"
+        )
+    plot = result.eval.plot_path
+    if plot and Path(plot).is_file():
+        image = base64.b64encode(Path(plot).read_bytes()).decode()
+        lines += ["", f"![loss curve](data:image/png;base64,{image})"]
+    lines += ["", f"Report: `{result.eval.markdown_path}`"]
+    return "\n".join(lines)

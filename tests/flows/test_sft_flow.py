@@ -134,3 +134,21 @@ def test_force_recomputes_the_named_stage_only(first_run):
 
     with pytest.raises(ValueError, match="unknown stage"):
         sft(config=_config(work), force=["planning"])
+
+
+def test_the_parent_run_carries_the_summary(first_run):
+    """A deployment's run page opens on the parent `sft` run: its summary artifact holds the eval table and the
+    loss curve inline."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+
+    _, state, _ = first_run
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sft-summary"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])),
+        )
+    assert len(artifacts) == 1
+    summary = artifacts[0].data
+    assert "| tuned |" in summary and "| base |" in summary
+    assert "![loss curve](data:image/png;base64," in summary
