@@ -100,6 +100,11 @@ class TrainConfig(BaseModel):
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
     )
+    activation_checkpointing: Literal["auto", "off", "selective", "full"] = Field(
+        "auto",
+        description="recompute decoder layers' activations in the backward: full (every layer), selective (every "
+        "other layer), off; auto = full on a GPU when a planned row's activations would not fit, else off",
+    )
     parallel: Literal["auto", "fsdp", "single"] = Field(
         "auto",
         description="fsdp: FSDP2 over all ranks; single: one process, no sharding (compute-dtype weights, fp32 "

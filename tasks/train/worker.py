@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from sftflow.tasks.train import config as cfg
+from sftflow.tasks.train.activations import apply_activation_checkpointing, resolve_activation_checkpointing
 from sftflow.tasks.train.checkpoint import (
     Checkpointer,
     ModelState,
@@ -333,6 +334,12 @@ def train(run_dir: Path) -> None:
     param_dtype = compute_dtype(env, config.dtype)
     if compiled:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
+    trained = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    checkpointing = resolve_activation_checkpointing(
+        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, trained,
+        sum(p.numel() for p in lm.parameters()) - trained,
+    )  # fmt: skip
+    apply_activation_checkpointing(decoder_layers(lm), checkpointing)
     optim_c = cfg.optim_config(config)
     parallel = resolve_parallel(config.parallel, env)
     checkpoint_c = cfg.checkpoint_config(config)
@@ -372,7 +379,8 @@ def train(run_dir: Path) -> None:
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
-            + (", compiled layers" if compiled else ""),
+            + (", compiled layers" if compiled else "")
+            + (f", activation checkpointing {checkpointing}" if checkpointing != "off" else ""),
             flush=True,
         )
 

@@ -1,0 +1,83 @@
+"""Activation checkpointing: the same loss and gradients with fewer saved activations, on both training paths."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from sftflow.tasks.train.activations import apply_activation_checkpointing, needs_checkpointing  # noqa: E402
+from sftflow.tasks.train.collate import collate, packed_collator  # noqa: E402
+from sftflow.tasks.train.model import CausalLMLoss, build_model, decoder_layers, model_batch  # noqa: E402
+
+OVERRIDES = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def _step(mode: str):
+    """Loss, gradients and bytes of tensors saved for the backward, of one packed row."""
+    torch.manual_seed(0)
+    lm = build_model("tiny-llama", vocab_size=97, packed=True, overrides=OVERRIDES)
+    assert apply_activation_checkpointing(decoder_layers(lm), mode) == {"off": 0, "selective": 2, "full": 4}[mode]
+    model = CausalLMLoss(lm).train()
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(3, 97, n), np.array([[1, n]], dtype=np.int32)) for n in (40, 7, 61, 25)]
+    batch = model_batch(collate(docs, packed_collator()), torch.device("cpu"), 97)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(saved)
+
+
+def test_checkpointed_layers_give_the_same_loss_and_gradients_and_save_less():
+    loss, grads, saved = _step("off")
+    for mode in ("selective", "full"):
+        got_loss, got_grads, got_saved = _step(mode)
+        assert torch.equal(got_loss, loss), mode
+        for name, grad in grads.items():
+            assert torch.equal(got_grads[name], grad), (mode, name)
+        assert got_saved < saved, mode
+    assert _step("full")[2] < _step("selective")[2]
+
+
+def test_auto_turns_it_on_when_a_row_would_not_fit():
+    from transformers import AutoConfig
+
+    llama8b = AutoConfig.for_model(
+        "llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, vocab_size=128256
+    )
+    llama1b = AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16)
+    h200 = 141 * 10**9
+    assert needs_checkpointing(llama8b, 16384, 8_000_000_000, 0, h200)  # full fine-tuning: the state alone is ~144 GB
+    assert not needs_checkpointing(llama1b, 16384, 1_240_000_000, 0, h200)
+    assert needs_checkpointing(llama1b, 131072, 1_240_000_000, 0, h200)  # 128k-token rows
+    assert not needs_checkpointing(llama8b, 4096, 40_000_000, 8_000_000_000, h200)  # LoRA: a bf16 frozen base
+
+
+@pytest.mark.slow
+def test_a_checkpointed_fsdp_run_trains_like_one_without(tmp_path, tiny_tokenizer, tiny_tokenizer_dir):
+    from train_helpers import losses, planned_mock, run
+
+    from sftflow.tasks.plan import PlanConfig
+
+    base, _, _ = planned_mock(
+        tmp_path,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
+        PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=1, epochs=1, seed=0),
+    )
+    run(base, tmp_path / "off", nproc=2, max_steps=4, activation_checkpointing="off")
+    run(base, tmp_path / "full", nproc=2, max_steps=4, activation_checkpointing="full")
+    assert losses(tmp_path / "full") == losses(tmp_path / "off")
