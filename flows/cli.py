@@ -304,6 +304,10 @@ def train(
     if data is not None:
         raw["data"] = _index_dir(data)
         raw.setdefault("tokenizer", _data_tokenizer(data))
+        if (data / "data.json").is_file():
+            from sftflow.flows.data import load_data_result
+
+            raw.setdefault("chat_template", load_data_result(data).chat_template)
     elif "data" not in raw:
         raise ValueError("--data is required: the folder written by `sftflow data` (or a dataset index folder)")
     flags = dict(

@@ -50,7 +50,7 @@ class DataConfig(BaseModel):
         return self
 
 
-_WIRED = {"data", "data_split", "plan", "out", "tokenizer", "mock"}
+_WIRED = {"data", "data_split", "plan", "out", "tokenizer", "chat_template", "mock"}
 
 # TrainSection: TrainConfig's fields minus the wired ones, same types, defaults and validation messages.
 TrainSection = create_model(

@@ -21,8 +21,8 @@ from sftflow.tasks.data_stages import (
     render_task,
     source_files,
     spans_task,
-    template_sha256,
     tokenizer_ref,
+    training_template,
 )
 from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
 
@@ -36,6 +36,8 @@ class DataResult(BaseModel):
     tokenized: list[TokenizedShard]
     pbin: list[PbinShard]
     index: DatasetIndex
+    # The chat template the data was rendered with (a file in the work folder), for the export.
+    chat_template: str | None = None
 
     @property
     def index_dir(self) -> str:
@@ -122,7 +124,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         sources: list[SourceFile] = [
             shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)
         ]
-        template_sha = template_sha256(dcfg.render, tokenizer)
+        template_sha, template_file = training_template(dcfg.render, tokenizer, work)
         logger.info(
             "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
             len(dcfg.sources),
@@ -161,7 +163,13 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             ).result()
         dataset_index = index(shards, dcfg.index, wd)
         result = DataResult(
-            work_dir=wd, tokenizer=tokenizer, rendered=rendered, tokenized=tokenized, pbin=shards, index=dataset_index
+            work_dir=wd,
+            tokenizer=tokenizer,
+            rendered=rendered,
+            tokenized=tokenized,
+            pbin=shards,
+            index=dataset_index,
+            chat_template=template_file,
         )
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))

@@ -15,6 +15,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from pydantic import BaseModel, ConfigDict, Field
 
+from sftflow.tasks.atomic import write_atomic
 from sftflow.tasks.caching import (
     StageCache,
     read_manifest,
@@ -97,8 +98,22 @@ def tokenizer_ref(path_or_id: str, work_dir: str | Path) -> TokenizerRef:
 
 
 def template_sha256(config: RenderConfig, tokenizer: TokenizerRef) -> str:
+    return training_template(config, tokenizer, None)[0]
+
+
+def training_template(config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path | None) -> tuple[str, str | None]:
+    """The sha256 of the chat template the data is rendered with and, given `work_dir`, a copy of its text in
+    `work_dir/templates/<sha>.jinja` (None for text without a template): what the export ships as the model's
+    chat template, so that inference renders conversations as training did."""
     template = resolve_template(config, tokenizer.path)
-    return sha256_text(template.text if template is not None else "")
+    text = template.text if template is not None else ""
+    sha = sha256_text(text)
+    if work_dir is None or template is None:
+        return sha, None
+    path = Path(work_dir) / "templates" / f"{sha[:16]}.jinja"
+    if not path.is_file():
+        write_atomic(path, text)
+    return sha, str(path)
 
 
 def _inject_fault(stage: str) -> None:

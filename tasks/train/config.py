@@ -64,6 +64,7 @@ class TrainConfig(BaseModel):
         default_factory=dict, description="config overrides for presets and config.json models (e.g. num_hidden_layers)"
     )
     tokenizer: str | None = Field(None, description="tokenizer folder copied into hf/ (default: the model's)")
+    chat_template: str | None = Field(None, description="the training data's chat template (.jinja), for hf/")
     out: str = Field(description="run directory")
 
     # launch

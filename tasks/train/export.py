@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,8 +20,12 @@ def export_hf(
     *,
     tokenizer: str | None,
     dtype: str = "auto",
+    source: str | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write `state_dict` (full, unsharded, HF names) as a model of `config` into `out_dir`.
+    """Write `state_dict` (full, unsharded, HF names) as a model of `config` into `out_dir`: safetensors (sharded
+    with an index past 5 GB, as the Hub does), the config, the source folder's `generation_config.json`, the
+    tokenizer, and the chat template the training data was rendered with (`chat_template`, a .jinja file).
 
     The model is rebuilt with the stock `sdpa` attention, so the folder loads anywhere without sftflow registered.
     `dtype="auto"` keeps the dtype of the source model's config (fp32 for presets and random inits).
@@ -40,9 +45,16 @@ def export_hf(
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise ValueError(f"export to {out}: missing weights {sorted(set(missing) - tied)}, unexpected {unexpected}")
-    model.to(target).save_pretrained(out, safe_serialization=True)
+    model.to(target).save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    generation = Path(source) / "generation_config.json" if source else None
+    if generation is not None and generation.is_file():
+        shutil.copyfile(generation, out / "generation_config.json")
     if tokenizer is not None:
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        if chat_template is not None:
+            # Generation tags render as plain text in Hugging Face's template environment too.
+            tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
+        tok.save_pretrained(out)
     else:
         log.warning("export to %s: no tokenizer given; the folder has model weights and config only", out)
     return out

@@ -467,7 +467,10 @@ def train(run_dir: Path) -> None:
                     AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out / "adapter")
                 state_dict = merged.state_dict() if config.lora.merge else None
             if state_dict is not None:
-                export_hf(state_dict, lm.config, out, tokenizer=tokenizer_path, dtype=config.export_dtype)
+                export_hf(
+                    state_dict, lm.config, out, tokenizer=tokenizer_path, dtype=config.export_dtype,
+                    source=config.model, chat_template=config.chat_template,
+                )  # fmt: skip
             print(f"[train] exported {out}", flush=True)
         dist.barrier()
     if env.device.type == "cuda" and env.is_main:

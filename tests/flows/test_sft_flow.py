@@ -68,6 +68,18 @@ def test_first_run_completes_every_stage(first_run):
     result = state.result()
     assert result.train.steps == 6
     assert Path(result.train.hf_dir, "config.json").is_file()
+    # The export renders conversations as the training data was rendered: the template travels with it.
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.chat_template import builtin_template_text
+
+    exported = AutoTokenizer.from_pretrained(result.train.hf_dir)
+    assert exported.chat_template == builtin_template_text("chatml")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert (
+        exported.apply_chat_template(chat, tokenize=False)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
     assert set(result.eval.metrics) == {"base", "tuned"}
     assert Path(result.eval.plot_path).is_file()
 

@@ -219,6 +219,8 @@ def test_two_rank_fsdp_training_from_the_folder_matches_hf_and_exports_what_it_t
     source, written = AutoConfig.from_pretrained(folder).to_dict(), exported.config.to_dict()
     for key in ("architectures", "model_type", "sliding_window", "layer_types", "tie_word_embeddings"):
         assert written.get(key) == source.get(key), key
+    generation = "generation_config.json"
+    assert (tmp_path / "run" / "hf" / generation).read_text() == (folder / generation).read_text()
 
 
 def test_the_launcher_refuses_such_a_model_before_starting_any_worker(tmp_path):
