@@ -23,6 +23,7 @@ from sftflow.tasks.data_stages import (
     spans_task,
     tokenizer_ref,
     training_template,
+    with_template_tokens,
 )
 from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
 
@@ -119,7 +120,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
     work.mkdir(parents=True, exist_ok=True)
     with work_dir_lock(work):
         dcfg = data_config(cfg)
-        tokenizer = tokenizer_ref(dcfg.tokenizer, work)
+        tokenizer = with_template_tokens(dcfg.render, tokenizer_ref(dcfg.tokenizer, work), work)
         # Shards in source order, each source's in file order: merged in that order, the index does not depend on them.
         sources: list[SourceFile] = [
             shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)

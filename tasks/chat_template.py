@@ -45,6 +45,16 @@ from sftflow.tasks.template_limits import (
 log = logging.getLogger(__name__)
 
 BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "gemma", "phi3", "zephyr")
+# The special tokens each built-in template writes, which a tokenizer must know as single tokens for the text to
+# tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies).
+TEMPLATE_TOKENS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    "zephyr": (),
+}
 _GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Generation markers of any render; `_strip_markers` keeps only those carrying this render's nonce. One pattern for
 # all renders: compiling one per render (per nonce) was a third of the render stage's time.
@@ -155,9 +165,16 @@ _ENV = make_environment()
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may refer to (`bos_token`, `eos_token`, ...)."""
 
-    def __init__(self, text: str, special_tokens: dict[str, str] | None = None, name: str = "<template>"):
+    def __init__(
+        self,
+        text: str,
+        special_tokens: dict[str, str] | None = None,
+        name: str = "<template>",
+        writes_tokens: tuple[str, ...] = (),
+    ):
         self.text = text
         self.name = name
+        self.writes_tokens = writes_tokens  # special tokens it writes, when known (built-in templates)
         self.special_tokens = dict(special_tokens or {})
         try:
             self._compiled = _ENV.from_string(text)
@@ -266,7 +283,7 @@ def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the t
             return own
         return _matching_builtin(own, special, tokenizer_name)
     if spec in BUILTIN_TEMPLATES:
-        return ChatTemplate(builtin_template_text(spec), special, name=spec)
+        return ChatTemplate(builtin_template_text(spec), special, name=spec, writes_tokens=TEMPLATE_TOKENS[spec])
     path = Path(spec)
     if path.suffix == ".jinja" or path.is_file():
         if not path.is_file():

@@ -8,7 +8,9 @@ I/O errors (`OSError`) are.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -94,6 +96,49 @@ def tokenizer_ref(path_or_id: str, work_dir: str | Path) -> TokenizerRef:
     tokenizer = AutoTokenizer.from_pretrained(path_or_id)
     out = Path(work_dir) / "tokenizers" / sha256_text(path_or_id)[:16]
     tokenizer.save_pretrained(out)
+    return TokenizerRef(path=str(out.resolve()), sha256=sha256_tree(out))
+
+
+def _logger():
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:  # called outside a flow (scripts, tests)
+        return logging.getLogger("sftflow.data")
+
+
+def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path) -> TokenizerRef:
+    """The tokenizer, or a copy with the special tokens the template writes and the tokenizer lacks (ChatML on a Llama
+    base) added, saved once in `work_dir/tokenizers/`. Training then grows the model's embeddings to match
+    (`sftflow.tasks.train.model`), and the export ships this tokenizer."""
+    template = resolve_template(config, tokenizer.path)
+    wanted = template.writes_tokens if template is not None else ()
+    if not wanted:
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.path)
+    vocab = tok.get_vocab()
+    missing = [t for t in wanted if t not in vocab]
+    if not missing:
+        return tokenizer
+    tok.add_tokens(missing, special_tokens=True)
+    out = Path(work_dir) / "tokenizers" / f"{tokenizer.sha256[:16]}-{sha256_text(' '.join(missing))[:8]}"
+    if not out.is_dir():  # saved aside, then renamed: a folder that exists is complete
+        aside = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tok.save_pretrained(aside)
+        try:
+            os.rename(aside, out)
+        except OSError:  # another run saved the same tokenizer first
+            shutil.rmtree(aside, ignore_errors=True)
+    _logger().info(
+        "tokenizer %s lacks %s, which template %s writes: added them (%d tokens now)",
+        tokenizer.path,
+        missing,
+        template.name,
+        len(tok),
+    )
     return TokenizerRef(path=str(out.resolve()), sha256=sha256_tree(out))
 
 

@@ -29,7 +29,7 @@ from sftflow.kernels.attention import varlen_attention
 from sftflow.kernels.cross_entropy import linear_cross_entropy
 from sftflow.tasks.train.collate import IGNORE_INDEX
 from sftflow.tasks.train.families import KNOWN_ATTENTION_KWARGS, check_config, router_aux_loss_coef
-from sftflow.tasks.train.weights import CheckpointFiles, meta_model, shard_loadable
+from sftflow.tasks.train.weights import CheckpointFiles, grow_vocabulary, meta_model, shard_loadable
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,9 @@ def build_model(spec: str, *, vocab_size: int | None, packed: bool, overrides: d
     else:
         overrides = dict(overrides or {})
         model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=torch.float32, **overrides)
+        if vocab_size is not None and model.config.vocab_size < vocab_size:
+            old = grow_vocabulary(model, vocab_size)
+            log.info("%s: embeddings grown from %d to %d rows for the tokens the template added", spec, old, vocab_size)
     model = model.to(torch.float32)
     check_model(model, packed=packed, vocab_size=vocab_size, spec=spec)
     return model
@@ -159,6 +162,16 @@ def build_training_model(
     if files is None:
         return build_model(spec, vocab_size=vocab_size, packed=packed, overrides=overrides), None
     config = model_config(spec, vocab_size=vocab_size, overrides=overrides)
+    if vocab_size is not None and config.vocab_size < vocab_size:
+        # Tokens a template writes were added to the tokenizer: the embeddings (and an untied head) get rows for
+        # them, filled with the mean of the checkpoint's rows when it is read (`weights._grown_rows`).
+        log.info(
+            "%s: embeddings grown from %d to %d rows for the tokens the template added",
+            spec,
+            config.vocab_size,
+            vocab_size,
+        )
+        config.vocab_size = vocab_size
     lm = meta_model(config, _attn_implementation(packed))
     missing = shard_loadable(lm, files)
     if missing:

@@ -96,6 +96,35 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
     return tied
 
 
+def _grown_rows(f, name: str, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows [start, stop) of an embedding or head grown past the checkpoint's vocabulary (tokens a template needs were
+    added): the checkpoint's rows, then the mean of all its rows for each new token, as a new token's starting point
+    that predicts and embeds like an average token."""
+    stored = f.get_slice(name)
+    old = stored.get_shape()[0]
+    start, stop = rows
+    parts = []
+    if start < old:
+        parts.append(stored[start : min(stop, old)])
+    if stop > old:
+        mean = f.get_tensor(name).float().mean(0, keepdim=True)
+        parts.append(mean.expand(stop - max(start, old), -1).to(parts[0].dtype if parts else mean.dtype))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def grow_vocabulary(model: nn.Module, vocab_size: int) -> int:
+    """Grow a loaded model's input embedding and (untied) output head to `vocab_size` rows, new rows set to the mean
+    of the old ones; returns the old size."""
+    old = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    with torch.no_grad():
+        for weights in {
+            id(w): w for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        }.values():
+            weights[old:] = weights[:old].mean(0, keepdim=True)
+    return old
+
+
 def _rows(param: torch.Tensor) -> tuple[int, int] | None:
     """This rank's [start, stop) rows of a dim-0-sharded DTensor, or None for a replicated tensor."""
     from torch.distributed.tensor import Shard
@@ -146,7 +175,10 @@ def materialize(
             for name, tensor in pending:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 rows = _rows(tensor)
-                if rows is None:
+                stored = f.get_slice(checkpoint_name(name)).get_shape()
+                if stored[0] < tensor.shape[0] and list(stored[1:]) == list(tensor.shape[1:]):
+                    value = _grown_rows(f, checkpoint_name(name), rows or (0, tensor.shape[0]))
+                elif rows is None:
                     value = f.get_tensor(checkpoint_name(name))
                 elif rows[1] > rows[0]:
                     value = f.get_slice(checkpoint_name(name))[rows[0] : rows[1]]

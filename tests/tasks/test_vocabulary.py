@@ -1,0 +1,79 @@
+"""Tokens a template writes but the tokenizer lacks (ChatML or Gemma cues on another base) are added to a copy of the
+tokenizer, and the model's embeddings and head grow to match, new rows starting at the mean of the old ones."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from family_configs import save_family_model  # noqa: E402
+
+from sftflow.tasks.data_stages import TokenizerRef, with_template_tokens  # noqa: E402
+from sftflow.tasks.fingerprint import sha256_tree  # noqa: E402
+from sftflow.tasks.render import RenderConfig  # noqa: E402
+
+
+def _ref(path: Path) -> TokenizerRef:
+    return TokenizerRef(path=str(path), sha256=sha256_tree(path))
+
+
+def test_missing_template_tokens_are_added_to_a_copy_once(tiny_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    original = _ref(tiny_tokenizer_dir)
+    assert with_template_tokens(RenderConfig(template="chatml"), original, tmp_path) == original  # has ChatML's
+    grown = with_template_tokens(RenderConfig(template="gemma"), original, tmp_path)
+    assert grown.path != original.path and Path(grown.path).parent == tmp_path / "tokenizers"
+    before, after = AutoTokenizer.from_pretrained(original.path), AutoTokenizer.from_pretrained(grown.path)
+    assert len(after) == len(before) + 2
+    ids = after("<start_of_turn>user\nhi<end_of_turn>", add_special_tokens=False)["input_ids"]
+    assert ids[0] == after.convert_tokens_to_ids("<start_of_turn>") >= len(before)
+    assert with_template_tokens(RenderConfig(template="gemma"), original, tmp_path) == grown  # reused, same hash
+
+
+@pytest.mark.parametrize("name", ["llama3_untied", "qwen3"])
+def test_grown_embeddings_start_at_the_mean_of_the_old_rows(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from sftflow.tasks.train.model import build_training_model
+    from sftflow.tasks.train.weights import materialize
+
+    folder = save_family_model(name, 101, tmp_path / name)
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    lm, files = build_training_model(str(folder), vocab_size=104, packed=True)
+    materialize(lm, lm, torch.device("cpu"), files)
+    for got, want in (
+        (lm.get_input_embeddings().weight, original.get_input_embeddings().weight),
+        (lm.get_output_embeddings().weight, original.get_output_embeddings().weight),
+    ):
+        assert got.shape == (104, want.shape[1])
+        assert torch.equal(got[:101], want)
+        assert torch.allclose(got[101:], want.mean(0, keepdim=True).expand(3, -1))
+    assert lm.config.vocab_size == 104
+    if original.config.tie_word_embeddings:
+        assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+
+
+@pytest.mark.slow
+def test_training_with_added_tokens_grows_the_model_and_exports_it(tmp_path, tiny_tokenizer_dir):
+    from train_helpers import losses, planned_mock, run
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sftflow.tasks.plan import PlanConfig
+
+    grown = with_template_tokens(RenderConfig(template="gemma"), _ref(tiny_tokenizer_dir), tmp_path)
+    vocab = len(AutoTokenizer.from_pretrained(grown.path))
+    folder = save_family_model("llama3_untied", vocab - 2, tmp_path / "base")  # the base knows neither new token
+    plan_config = PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)
+    mock = dict(num_docs=12, median_length=30, max_length=60, min_token_id=3)
+    base, _, _ = planned_mock(tmp_path, vocab, Path(grown.path), plan_config, mock=mock, model=str(folder))
+    run(base, tmp_path / "run", max_steps=2, export=True)
+    assert all(loss == loss for loss in losses(tmp_path / "run"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
+    assert exported.config.vocab_size == vocab and exported.get_output_embeddings().weight.shape[0] == vocab
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "hf").convert_tokens_to_ids("<end_of_turn>") == vocab - 1
