@@ -137,8 +137,10 @@ def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
         pos = torch.arange(q.shape[2], device=q.device)
         visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    o = o.transpose(1, 2)  # (N, L, H, D); documents are consecutive in the row
-    return torch.cat([o[i, :n] for i, n in enumerate(lengths)])
+    # (N * L, H, D), then each document's rows as slices: a select's backward would be a zero-filled copy per document.
+    n_docs, heads, longest, dim = o.shape
+    o = o.transpose(1, 2).reshape(n_docs * longest, heads, dim)
+    return torch.cat([o[i * longest : i * longest + n] for i, n in enumerate(lengths)])
 
 
 def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):

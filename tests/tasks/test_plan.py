@@ -174,7 +174,10 @@ def test_step_loss_tokens_match_collated_batches():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match=r"doc 2 has 900 tokens, more than tokens_per_rank=512"):
+    with pytest.raises(
+        ValueError,
+        match=r"doc 2 has 900 tokens, more than a row holds \(tokens_per_rank=512\); raise plan.tokens_per_rank",
+    ):
         plan(np.array([10, 20, 900]), np.array([1, 1, 1]), PlanConfig(num_ranks=1, tokens_per_rank=512))
     with pytest.raises(ValueError, match=r"doc 1: loss_token_counts=30"):
         plan(np.array([10, 20]), np.array([1, 30]), PlanConfig(num_ranks=1, tokens_per_rank=512))
