@@ -8,14 +8,52 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Supervised fine-tuning as a Prefect pipeline.")
+
+# One word for what an option takes, in place of a type tag: a flag takes nothing, choices are listed instead.
+_METAVARS = {"path": "PATH", "int": "N", "float": "X", "str": "TEXT"}
+_CHOICES = re.compile(r"^(\w+(?:\|\w+)+)(?::\s*(.*))?$")
+
+
+class _Command(TyperCommand):
+    """Help that reads as usage: `--mask-policy generation|roles`, `--max-steps N`, `--force` alone, and options a
+    command cannot run without (unless a config file gives them) marked."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.param_type_name != "option":
+                continue
+            if param.is_flag:
+                param.metavar = ""
+                continue
+            choices = _CHOICES.match(param.help or "")
+            if choices:
+                param.metavar, param.help = choices.group(1), choices.group(2) or ""
+            elif param.metavar is None:
+                kind = param.display_type(None).strip("<>").removeprefix("list[").removesuffix("]")
+                param.metavar = _METAVARS.get(kind, kind.upper())
+            if param.multiple:
+                param.help = f"{param.help} (repeat for more)".strip()
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+def command(name: str | None = None):
+    return app.command(name, cls=_Command)
 
 
 def _quiet_defaults() -> None:
@@ -104,11 +142,16 @@ def _set(section: dict, key: str, value: Any) -> None:
         section[key] = value
 
 
-@app.command()
+@command()
 @_user_errors
 def data(
-    source: Annotated[list[str] | None, typer.Option("--source", help="JSONL/Parquet file or datasets folder")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="tokenizer folder or hub id")] = None,
+    source: Annotated[
+        list[str] | None,
+        typer.Option("--source", help="JSONL/Parquet file or datasets folder (required without --config)"),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="tokenizer folder or hub id (required without --config)")
+    ] = None,
     template: Annotated[str | None, typer.Option(help="built-in name (chatml, llama3) or .jinja file")] = None,
     format: Annotated[
         str | None, typer.Option(help="auto|messages|sharegpt|prompt_completion|alpaca|text_spans")
@@ -167,7 +210,7 @@ def data(
     typer.echo(json.dumps(result.summary(), indent=2))
 
 
-@app.command()
+@command()
 @_user_errors
 def inspect(
     path: Annotated[Path, typer.Argument(help="a .pbin file, or a folder written by `sftflow data`")],
@@ -181,7 +224,7 @@ def inspect(
     inspect_path(path, num_docs=num_docs, fmt=format, tokenizer=tokenizer, echo=typer.echo)
 
 
-@app.command()
+@command()
 @_user_errors
 def plan(
     data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data`")] = None,
@@ -261,11 +304,12 @@ def main() -> None:  # pragma: no cover
     app(sys.argv[1:])
 
 
-@app.command()
+@command()
 @_user_errors
 def train(
     data: Annotated[
-        Path | None, typer.Option(help="folder written by `sftflow data` (or a dataset index folder)")
+        Path | None,
+        typer.Option(help="folder written by `sftflow data` (or a dataset index folder) (required without --config)"),
     ] = None,
     plan: Annotated[Path, typer.Option(help="folder holding plan.npz (`sftflow plan --out`)")] = Path(
         "sftflow-out/plan"
@@ -274,7 +318,7 @@ def train(
     out: Annotated[Path, typer.Option(help="run directory")] = Path("sftflow-out/run"),
     nproc: Annotated[int, typer.Option(help="worker processes (GPUs) per node")] = 1,
     max_steps: Annotated[int | None, typer.Option(help="stop after N optimizer steps")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="save a checkpoint every K steps")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="save a checkpoint every N steps")] = None,
     keep_last: Annotated[int | None, typer.Option(help="checkpoints to keep")] = None,
     lr: Annotated[float | None, typer.Option(help="peak learning rate")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
@@ -356,7 +400,7 @@ def _data_tokenizer(data: Path) -> str | None:
     return None
 
 
-@app.command("eval")
+@command("eval")
 @_user_errors
 def eval_command(
     model: Annotated[str, typer.Option(help="the tuned model: a Hugging Face folder (e.g. RUN/hf)")],
@@ -383,7 +427,7 @@ def eval_command(
     typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics.is_file() else None))
 
 
-@app.command()
+@command()
 @_user_errors
 def run(
     config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
@@ -406,7 +450,7 @@ def run(
     typer.echo(_final_report(result))
 
 
-@app.command()
+@command()
 @_user_errors
 def server(
     stop: Annotated[bool, typer.Option("--stop", help="stop the server now instead of when it goes idle")] = False,

@@ -142,3 +142,22 @@ def test_the_cli_and_the_config_share_their_defaults():
     defaults = {name: p.default for name, p in inspect.signature(plan).parameters.items()}
     for name in ("tokens_per_rank", "epochs", "seed", "mode", "drop_last"):
         assert defaults[name] == PlanSection.model_fields[name].default, name
+
+
+def test_help_shows_what_options_take_not_their_types():
+    """No `<str>`/`<bool>` tags: a flag shows nothing, a value a word (N, PATH, TEXT) or its choices, and options
+    a command needs without a config file say so."""
+    from typer.testing import CliRunner
+
+    from sftflow.flows.cli import app
+
+    runner = CliRunner()
+    for command in ("data", "plan", "train", "eval", "inspect", "run", "server"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        assert "<str>" not in result.output and "<bool>" not in result.output and "<int>" not in result.output
+    data_help = runner.invoke(app, ["data", "--help"], env={"COLUMNS": "200"}).output
+    assert "--mask-policy" in data_help and "generation|roles" in data_help
+    assert "(required without --config)" in data_help
+    lines = {line.split()[1]: line for line in data_help.splitlines() if line.strip("│ ").startswith("--")}
+    assert " N " in lines["--max-length"] and "TEXT" not in lines["--force"]
