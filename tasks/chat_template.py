@@ -44,7 +44,7 @@ from sftflow.tasks.template_limits import (
 
 log = logging.getLogger(__name__)
 
-BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "gemma", "phi3", "zephyr")
+BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "gemma", "phi3", "zephyr", "mistral")
 # The special tokens each built-in template writes, which a tokenizer must know as single tokens for the text to
 # tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies).
 TEMPLATE_TOKENS = {
@@ -54,6 +54,7 @@ TEMPLATE_TOKENS = {
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     "zephyr": (),
+    "mistral": (),  # [INST] is a control token in v3 vocabularies, plain text in older ones
 }
 _GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Generation markers of any render; `_strip_markers` keeps only those carrying this render's nonce. One pattern for

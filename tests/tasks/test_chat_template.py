@@ -151,6 +151,7 @@ OFFICIAL = {
     "trl-phi3_training.jinja": ("phi3", {"eos_token": "<|endoftext|>"}),
     "smollm2-trl-chatml.jinja": ("chatml", {"eos_token": "<|im_end|>"}),
     "tinyllama-1.1b-chat-v1.0-zephyr.jinja": ("zephyr", {"bos_token": "<s>", "eos_token": "</s>"}),
+    "mistral-common-v3.jinja": ("mistral", {"bos_token": "<s>", "eos_token": "</s>"}),
 }
 
 
@@ -211,3 +212,20 @@ def test_auto_on_real_tokenizers(folder, expected, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert template.render(messages)[0] == tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_mistral_template_places_the_system_in_the_last_user_turn_and_trains_answers_with_eos():
+    template = load_template("mistral", _tokenizer_with("", {"bos_token": "<s>", "eos_token": "</s>"}))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+3?"},
+        {"role": "user", "content": "Quick."},
+        {"role": "assistant", "content": "5"},
+    ]
+    text, spans = template.render(messages)
+    assert text == "<s>[INST]Hi[/INST]Hello</s>[INST]Be brief.\n\n2+3?\n\nQuick.[/INST]5</s>"
+    assert [text[a:b] for a, b in spans] == ["Hello</s>", "5</s>"]
+    with pytest.raises(TemplateError, match="starts with a user turn"):
+        template.render([{"role": "assistant", "content": "x"}])
