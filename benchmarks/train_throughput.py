@@ -29,6 +29,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
   one host sync for the step's statistics), then the scheduler and `MetricsLogger`.
 - **De**: D with `compile="off"` (eager), to show what compilation buys.
 - **Df**: D with `parallel="fsdp"` (FSDP2 at world size 1 and torch's fused AdamW, D before the one-device path).
+- **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
+  longer rows cost in time for the memory they save.
 
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
@@ -90,7 +92,7 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
-MODES = ("A", "B", "C", "D", "De", "Df")
+MODES = ("A", "B", "C", "D", "De", "Df", "Dsel", "Dac")
 BASELINE_ATTENTION = "bench_torch_varlen"
 
 
@@ -537,13 +539,21 @@ class Bench:
         return result
 
     # -- D / De -------------------------------------------------------------------------------------------------------
-    def mode_d(self, name: str, profile_dir: Path | None, compile_mode: str = "auto", parallel: str = "auto") -> dict:
+    def mode_d(
+        self,
+        name: str,
+        profile_dir: Path | None,
+        compile_mode: str = "auto",
+        parallel: str = "auto",
+        checkpointing: str = "off",
+    ) -> dict:
         """The worker's step: `build_model`, the worker's `compile` and `parallel` settings (`parallelize`), and
         `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
         worker's loop runs them. `De` is the same with `compile="off"` (eager), `Df` with `parallel="fsdp"`."""
         from transformers.models.llama import modeling_llama
 
         from sftflow.tasks.train import config as cfg
+        from sftflow.tasks.train.activations import apply_activation_checkpointing
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
@@ -559,6 +569,7 @@ class Bench:
         if compiled:
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm), device=env.device, dtype=self.param_dtype)
+        apply_activation_checkpointing(decoder_layers(lm), checkpointing)  # after compiling, as the worker does
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         parallel = resolve_parallel(parallel, env)
         model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c)
@@ -628,7 +639,8 @@ class Bench:
         dtype = self.param_dtype
         extra = {
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
-            f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}"
+            f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}, "
+            f"activation checkpointing {checkpointing}"
             + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
         }
         try:
@@ -1018,6 +1030,8 @@ def main(argv=None) -> dict:
             "D": partial(bench.mode_d, "D", out),
             "De": partial(bench.mode_d, "De", out, compile_mode="off"),
             "Df": partial(bench.mode_d, "Df", out, parallel="fsdp"),
+            "Dsel": partial(bench.mode_d, "Dsel", out, checkpointing="selective"),
+            "Dac": partial(bench.mode_d, "Dac", out, checkpointing="full"),
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:
