@@ -20,15 +20,22 @@ OVERRIDES = dict(
 )
 
 
-def _step(mode: str):
+def _step(mode: str, device: str = "cpu", compiled: bool = False):
     """Loss, gradients and bytes of tensors saved for the backward, of one packed row."""
     torch.manual_seed(0)
     lm = build_model("tiny-llama", vocab_size=97, packed=True, overrides=OVERRIDES)
+    if device != "cpu":
+        from sftflow.tasks.train.compile import compile_layers
+
+        lm = lm.to(device=device, dtype=torch.bfloat16)
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers(decoder_layers(lm), strict=True, device=torch.device(device), dtype=torch.bfloat16)
     assert apply_activation_checkpointing(decoder_layers(lm), mode) == {"off": 0, "selective": 2, "full": 4}[mode]
     model = CausalLMLoss(lm).train()
     rng = np.random.default_rng(0)
     docs = [(rng.integers(3, 97, n), np.array([[1, n]], dtype=np.int32)) for n in (40, 7, 61, 25)]
-    batch = model_batch(collate(docs, packed_collator()), torch.device("cpu"), 97)
+    batch = model_batch(collate(docs, packed_collator()), torch.device(device), 97)
     saved = []
 
     def pack(t):
@@ -50,6 +57,19 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_and_save_less():
             assert torch.equal(got_grads[name], grad), (mode, name)
         assert got_saved < saved, mode
     assert _step("full")[2] < _step("selective")[2]
+
+
+@pytest.mark.gpu
+def test_checkpointing_composes_with_compiled_layers_and_the_triton_attention_on_a_gpu():
+    from sftflow.kernels.attention import last_backend
+
+    loss, grads, saved = _step("off", "cuda", compiled=True)
+    assert last_backend().name in ("triton", "flash_attn")
+    got_loss, got_grads, got_saved = _step("full", "cuda", compiled=True)
+    assert got_saved < saved
+    torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=1e-3)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=2e-2, atol=2e-2 * grad.abs().max().item(), msg=name)
 
 
 def test_auto_turns_it_on_when_a_row_would_not_fit():
