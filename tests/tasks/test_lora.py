@@ -123,3 +123,25 @@ def test_configuration_errors_name_the_fix(setup):
     with pytest.raises(ValueError, match="needs train.lora"):
         TrainConfig.model_validate({**base.model_dump(), "quantize": "nf4"})
     assert LoraSettings(rank=8).scale_alpha == 16.0
+
+
+@pytest.mark.gpu
+def test_lora_on_one_gpu_with_compiled_layers(tmp_path):
+    """The one-GPU path (no FSDP, bf16 base, compiled layers, Triton kernels): step 1 is the base model's loss, the
+    adapters learn, and the merged export carries them."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_family_model("qwen3", VOCAB, tmp_path / "base")
+    plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=2, seed=0)
+    mock = dict(num_docs=40, median_length=24, max_length=60, min_token_id=3, tokens="arithmetic")
+    base, _, _ = planned_mock(
+        tmp_path, VOCAB, None, plan_config, mock=mock, model=str(folder), tokenizer=None, lr=3e-2, device="cuda"
+    )
+    run(base, tmp_path / "full", max_steps=1, compile="auto", dtype="bf16")
+    run(base, tmp_path / "lora", max_steps=12, lora=LORA, export=True, compile="auto", dtype="bf16")
+    trace = losses(tmp_path / "lora")
+    assert trace[0] == pytest.approx(losses(tmp_path / "full")[0], rel=1e-3)
+    assert trace[-1] < trace[0]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "hf", dtype=torch.float32).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(merged[k], original[k]) for k in original if k.endswith("q_proj.weight"))

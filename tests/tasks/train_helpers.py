@@ -69,8 +69,8 @@ def planned_mock(
     """Mock documents, the real planner's plan of them in `root/plan`, and a tiny-Llama `TrainConfig` on both.
 
     Defaults shared by the training tests: lr 1e-2 (a tiny model visibly learns in a few steps), seed 0, one CPU
-    thread per process (the same float summation order whatever the launch shape), no export; `train_fields`
-    override them.
+    thread per process (the same float summation order whatever the launch shape), the CPU (gloo) even where a GPU
+    is present (two ranks on one GPU cannot run NCCL), no export; `train_fields` override them.
     """
     config = mock_config(vocab_size, **(mock or {}))
     dataset = MockDataset(config)
@@ -86,6 +86,7 @@ def planned_mock(
         lr=1e-2,
         seed=0,
         num_threads=1,
+        device="cpu",
         export=False,
     )
     return TrainConfig(**{**fields, **train_fields}), dataset, arrays
