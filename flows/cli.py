@@ -88,7 +88,7 @@ def _user_errors(fn):
     from pydantic import BaseModel, ValidationError
 
     from sftflow.flows.local_api import LocalAPIError
-    from sftflow.tasks.train.launch import TrainingFailed
+    from sftflow.tasks.train.errors import TrainingFailed
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -36,15 +36,12 @@ from sftflow.tasks.locks import exclusive
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
 from sftflow.tasks.train.data import load_plan, plan_path
+from sftflow.tasks.train.errors import TrainingFailed  # noqa: F401  (raised here; imported from here by callers)
 from sftflow.tasks.train.metrics import read_metrics
 
 WORKER_MODULE = "sftflow.tasks.train.worker"
 _KILL_GRACE_S = 10.0
 _PROGRESS_EVERY_S = 5.0
-
-
-class TrainingFailed(RuntimeError):
-    """torchrun exited non-zero (a worker crashed or was killed); retrying resumes from the latest checkpoint."""
 
 
 class TrainResult(BaseModel):
