@@ -4,7 +4,7 @@
 
 One packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1, clipped to [16, 4096]; the last
 document is cut to fill the row), bf16, shapes (H=32, D=64) and (H=16, D=128), each with K=H and K=H/4.
-Useful FLOPs (the convention of issue #5): forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
+Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
 """

@@ -1,7 +1,7 @@
 """End-to-end training throughput on one GPU: sftflow's training step against what users run today.
 
-    python benchmarks/train_throughput.py [--modes A,B,C,D,De] [--out DIR]        # the issue-9 benchmark (H200)
-    python benchmarks/train_throughput.py --gpu-check DIR                         # the issue-4 worker check
+    python benchmarks/train_throughput.py [--modes A,B,C,D,De] [--out DIR]        # the 1B training benchmark (H200)
+    python benchmarks/train_throughput.py --gpu-check DIR                         # the worker check
     python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
 
 Model: Llama-3.2-1B-shaped, random init (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab
@@ -756,7 +756,7 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the issue-4 GPU check: the real worker under torchrun, crash after a checkpoint, resume
+# the worker GPU check: the real worker under torchrun, crash after a checkpoint, resume
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -953,7 +953,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
     p.add_argument("--out", default=None, help="folder for train_throughput.json/.md and profiles")
-    p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the issue-4 worker check in DIR first")
+    p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the worker check in DIR first")
     p.add_argument("--gpu-check-only", action="store_true")
     p.add_argument("--gpu-check-nproc", default="1", help="comma-separated process counts for the worker check")
     p.add_argument("--gpu-check-model", choices=("small", "llama1b"), default="small")

@@ -10,8 +10,8 @@ gradient, and writes the rounded result into the parameter the model computes wi
     param  = bf16(master), round to nearest (ties away from zero)
 
 Why: on one GPU the model can hold bf16 parameters and compute with them directly, with no FSDP copy-in of a bf16
-copy per layer for forward and backward and no fp32 gradient copy-out (~16 ms of a 255 ms 1B-model step on an H200,
-issue #9). The optimizer then owns the fp32 masters.
+copy per layer for forward and backward and no fp32 gradient copy-out (~16 ms of a 255 ms 1B-model step on an H200).
+The optimizer then owns the fp32 masters.
 
 The master is not stored as a separate fp32 tensor. Its 32 bits are the bf16 parameter's 16 bits (the master
 rounded to nearest) plus a signed 16-bit remainder, ``low = bits(master) - (bits(param) << 16)``, which lies in
@@ -118,7 +118,7 @@ def advance_steps_(steps: list[torch.Tensor], found_inf: torch.Tensor | None = N
     else:
         # A list of 0-d tensors, not the 0-d tensor itself: given one tensor, `_foreach_add_` takes the Scalar
         # overload, which reads it with `.item()`, a host sync that kept the optimizer from being queued until the
-        # whole backward had run on the GPU (issue #9).
+        # whole backward had run on the GPU.
         increment = (1.0 - found_inf.float()).reshape(())
         torch._foreach_add_(steps, [increment] * len(steps))
 

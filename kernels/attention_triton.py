@@ -559,7 +559,7 @@ class _VarlenAttention(torch.autograd.Function):
 # As `torch.library` custom ops, a compiled decoder layer calls the kernels inside its graph: no graph break around
 # the attention, and the gradient reaches the kernels in the layout they produced. (At a graph break, the compiled
 # backward made each q, k and v gradient contiguous in the (B, H, T, D) shape Hugging Face hands over, a
-# transposing copy of ~2.4 ms per 1B-model step on an H200, issue #9.) Block shapes come from `resolve_config`.
+# transposing copy of ~2.4 ms per 1B-model step on an H200.) Block shapes come from `resolve_config`.
 @torch.library.custom_op("sftflow::varlen_attention", mutates_args=())
 def varlen_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int

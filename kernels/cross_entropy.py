@@ -114,7 +114,7 @@ def padded_rows(n: int, chunk_rows: int) -> int:
     Why: the number of trained tokens differs from step to step, so an unpadded last chunk gives its three matmuls a
     new shape nearly every step. On an H200 each new cuBLAS shape cost ~2.5 ms of host time (the heuristic), and
     the first use of a newly chosen kernel sometimes stalled the host until the GPU had drained its queue (~40 ms
-    of lead lost): the GPU then idled while the host caught up (issue #9). Padded, the last chunk takes one of
+    of lead lost): the GPU then idled while the host caught up. Padded, the last chunk takes one of
     chunk_rows / ROW_BUCKET shapes, all seen within the first steps; it costs at most ROW_BUCKET - 1 rows of work."""
     last = n % chunk_rows
     if last == 0:

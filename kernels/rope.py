@@ -5,7 +5,7 @@
 projections' (B, T, H, D) output. The Triton path reads and writes that memory layout as it is.
 
 Why a kernel: under ``torch.compile`` (regional, dynamic shapes) inductor's RoPE ran at ~0.4 TB/s on an H200, about
-9 ms of a 272 ms 1B-model step (``benchmarks/RESULTS.md``, issue #9), where a pass over q and k is a few hundred
+9 ms of a 272 ms 1B-model step (``benchmarks/RESULTS.md``), where a pass over q and k is a few hundred
 microseconds. The backward is the transposed rotation, so both directions are one kernel.
 
 It is a ``torch.library`` custom op (``sftflow::rotary``): compiled graphs call it without a graph break, and its

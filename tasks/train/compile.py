@@ -2,7 +2,7 @@
 
 Each decoder layer's `forward` goes through `torch.compile(dynamic=True)`: one graph serves every layer and every row
 length, and inductor fuses the elementwise work around the matmuls (RMSNorm, RoPE, SiLU·mul, residual adds), which
-is about a quarter of an eager step on a 1B model (`benchmarks/RESULTS.md`, issue #9). FSDP's hooks stay outside the
+is about a quarter of an eager step on a 1B model (`benchmarks/RESULTS.md`). FSDP's hooks stay outside the
 compiled region. On the Triton backend sftflow's attention is a `torch.library` op (`sftflow::varlen_attention`)
 that the layer's graph calls: one graph per layer, and the gradients reach the kernels as they left them. Other
 backends run under `torch.compiler.disable`, a graph break in each layer.

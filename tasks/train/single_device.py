@@ -2,7 +2,7 @@
 
 On one GPU, FSDP2 has nothing to shard, yet it still copies every layer's fp32 parameters into a bf16 buffer before
 its forward and again before its backward, and copies each bf16 gradient out into an fp32 one: ~16 ms of a 255 ms
-1B-model step on an H200 (issue #9). Here instead::
+1B-model step on an H200. Here instead::
 
     model parameters   bf16 (compute dtype), used as they are by forward and backward
     master weights     fp32, held as the bf16 parameter + an int16 `master_low` per parameter (exact; see

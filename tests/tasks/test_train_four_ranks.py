@@ -1,4 +1,4 @@
-"""The multi-GPU launch path with 4 gloo processes on CPU (issue 7's CPU part): 4 ranks train the same losses as 1
+"""The multi-GPU launch path with 4 gloo processes on CPU: 4 ranks train the same losses as 1
 rank on the same plan, and a checkpoint saved on 4 ranks resumes on 2 (DCP resharding)."""
 
 from __future__ import annotations
