@@ -18,6 +18,7 @@ from prefect import serve
 from sftflow.flows.data import sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
+from sftflow.flows.promote import sft_promote
 from sftflow.flows.sft import sft
 from sftflow.flows.train import sft_train
 
@@ -38,6 +39,14 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *"):
         sft_plan.to_deployment(name="rerun", parameters=params, description="Re-plan from the latest data result"),
         sft_train.to_deployment(name="rerun", parameters=params, description="Rerun (or resume) training alone"),
         sft_eval.to_deployment(name="rerun", parameters=params, description="Re-evaluate the latest trained model"),
+        sft.to_deployment(
+            name="promote",
+            parameters=params | {"promote": True},
+            description="The whole pipeline, then the promotion gate: the new model replaces the champion if it wins",
+        ),
+        sft_promote.to_deployment(
+            name="gate", parameters=params, description="Promote the latest trained model if it beats the champion"
+        ),
     ]
 
 

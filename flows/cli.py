@@ -435,6 +435,9 @@ def run(
     learning_rate: Annotated[float | None, typer.Option(help="override train.lr")] = None,
     max_steps: Annotated[int | None, typer.Option(help="override train.max_steps")] = None,
     force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval")] = None,
+    promote: Annotated[
+        bool, typer.Option("--promote", help="end with the promotion gate (see `sftflow promote`)")
+    ] = False,
 ) -> None:
     """Run the whole `sft` pipeline in-process (Prefect's local ephemeral API): data → plan → train → eval."""
     _quiet_defaults()
@@ -446,8 +449,28 @@ def run(
     if work_dir:
         cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
     with _flow_session(cfg.work_dir):
-        result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [])
+        result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [], promote=promote)
     typer.echo(_final_report(result))
+
+
+@command()
+@_user_errors
+def promote(
+    config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
+    work_dir: Annotated[str | None, typer.Option(help="override the config's work_dir")] = None,
+) -> None:
+    """Promote the work folder's latest trained model if it beats the registry's champion on the same eval docs."""
+    _quiet_defaults()
+    from sftflow.flows.config import SFTConfig
+    from sftflow.flows.demo import demo_config
+    from sftflow.flows.promote import sft_promote
+
+    cfg = SFTConfig.from_yaml(config) if config else demo_config()
+    if work_dir:
+        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
+    with _flow_session(cfg.work_dir):
+        result = sft_promote(config=cfg)
+    typer.echo(Path(result.report_path).read_text())
 
 
 @command()
@@ -496,6 +519,8 @@ def _final_report(result) -> str:
         )
     lines.append("")
     lines.append(f"  report {result.eval.markdown_path}")
+    if result.promotion is not None:
+        lines.append(f"  promote {result.promotion.decision}: champion {result.promotion.champion}")
     if result.eval.plot_path:
         lines.append(f"  plot   {result.eval.plot_path}")
     return "\n".join(lines)

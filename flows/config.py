@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from sftflow.tasks.data_stages import IndexConfig
-from sftflow.tasks.manifests import EvalConfig
+from sftflow.tasks.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.plan import PlanConfig
 from sftflow.tasks.render import RenderConfig
 from sftflow.tasks.spans import SpansConfig
@@ -93,6 +93,7 @@ class SFTConfig(BaseModel):
     plan: PlanSection = PlanSection()
     train: TrainSection = TrainSection()  # type: ignore[valid-type]
     eval: EvalConfig = EvalConfig()
+    promote: PromoteConfig = PromoteConfig()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:
@@ -108,6 +109,9 @@ class SFTConfig(BaseModel):
         data = raw.get("data") or {}
         if isinstance(data, dict) and isinstance(data.get("sources"), list):
             data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
+        promote = raw.get("promote") or {}
+        if isinstance(promote, dict) and isinstance(promote.get("registry"), str):
+            promote["registry"] = str(_relative_to(p, promote["registry"]).resolve())
         if isinstance(data, dict) and isinstance(data.get("tokenizer"), str):
             if _relative_to(p, data["tokenizer"]).exists():
                 data["tokenizer"] = str(_relative_to(p, data["tokenizer"]))

@@ -1,4 +1,4 @@
-"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval, each also a flow of its own.
+"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-promote), each also a flow of its own.
 
 Every stage is cached on content: a rerun with the same inputs is Cached end to end; editing the chat template
 reruns data and everything after it; changing only the learning rate reruns train and eval. `force` names stages to
@@ -16,9 +16,10 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
+from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.train import sft_train
-from sftflow.tasks.manifests import EvalReport
+from sftflow.tasks.manifests import EvalReport, PromoteResult
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 
@@ -31,6 +32,7 @@ class SFTResult(BaseModel):
     plan: PlanManifest
     train: TrainResult
     eval: EvalReport
+    promotion: PromoteResult | None = None
 
 
 @flow(name="sft", log_prints=True)
@@ -42,12 +44,15 @@ def sft(
     epochs: int | None = None,
     force: list[str] | None = None,
     fault: str | None = None,
+    promote: bool = False,
 ) -> SFTResult:
     """Conversations + base model → fine-tuned, evaluated checkpoint.
 
     `config_path` (YAML) or `config` (inline) is the whole configuration; `learning_rate`, `max_steps` and `epochs`
     override it (flat, so `prefect deployment run sft/full -p learning_rate=1e-5` works). `force` lists stages to
-    recompute. `fault` is a test hook that makes the training worker fail (see `sftflow.tasks.train.worker`).
+    recompute. `promote` ends with the promotion gate (`sft-promote`): the new model replaces the registry's
+    champion only if it beats it on the same eval documents. `fault` is a test hook that makes the training worker
+    fail (see `sftflow.tasks.train.worker`).
     """
     force = list(force or [])
     unknown = sorted(set(force) - set(STAGES))
@@ -59,7 +64,8 @@ def sft(
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
         trained = sft_train(config=cfg, force="train" in force, fault=fault, data=data, plan=plan)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
-    result = SFTResult(data=data, plan=plan, train=trained, eval=report)
+        promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
+    result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion)
     from prefect.artifacts import create_markdown_artifact
 
     # On the parent run, where a deployment's run page opens: the stage runs carry the details.
@@ -93,4 +99,7 @@ def summary_markdown(result: SFTResult) -> str:
         image = base64.b64encode(Path(plot).read_bytes()).decode()
         lines += ["", f"![loss curve](data:image/png;base64,{image})"]
     lines += ["", f"Report: `{result.eval.markdown_path}`"]
+    if result.promotion is not None:
+        p = result.promotion
+        lines += ["", f"Promotion: **{p.decision}**, champion `{p.champion}`", *[f"- {r}" for r in p.reasons]]
     return "\n".join(lines)

@@ -104,3 +104,24 @@ class EvalReport(Manifest):
     plot_path: str | None
     markdown_path: str
     eval_docs: int
+
+
+class PromoteConfig(BaseModel):
+    """When a newly trained model replaces the champion: both are evaluated on the current eval split, and the new
+    one is promoted if its masked loss is lower by at least `min_improvement` (relative) and neither its token
+    accuracy nor its exact match (where measured) is lower by more than `max_regression` (absolute)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    registry: str | None = Field(None, description="registry folder (default: <work_dir>/registry)")
+    min_improvement: float = Field(0.0, ge=0, lt=1, description="relative loss improvement the new model needs")
+    max_regression: float = Field(0.01, ge=0, le=1, description="largest drop allowed in token accuracy and exact")
+
+
+class PromoteResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    decision: str  # "promoted", "kept" (the champion stays) or "unchanged" (the candidate already is the champion)
+    reasons: list[str]
+    champion: str | None  # the version in service after the decision
+    candidate_sha256: str
+    metrics: dict[str, dict]  # "candidate" and "champion" (when there is one) on the same eval documents
+    report_path: str

@@ -20,6 +20,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+PROMOTE = ("sft/promote", "sft-promote/gate")
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
@@ -138,7 +139,7 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
         served = lambda: prefect("deployment", "inspect", "sft-eval/rerun", timeout=60).returncode == 0  # noqa: E731
         _wait(served, 120, "deployments")
         listing = prefect("deployment", "ls", timeout=60).stdout
-        for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun"):
+        for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun", *PROMOTE):
             assert name in listing, listing
         refresh = prefect("deployment", "inspect", "sft-data/refresh", timeout=60).stdout
         assert "0 3 * * *" in refresh  # the nightly schedule
@@ -182,5 +183,5 @@ def test_prefect_yaml_deploys_to_a_process_pool(prefect_server):
     deployed = prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     listing = prefect("deployment", "ls").stdout
-    for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun"):
+    for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun", *PROMOTE):
         assert name in listing, listing

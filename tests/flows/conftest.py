@@ -30,6 +30,7 @@ _STAGE_OF_TASK = {
     "train_stage_task": "train",
     "_train_task_fn": "train",
     "eval_task": "evaluate",
+    "promote_task": "promote",
 }
 
 

@@ -152,7 +152,7 @@ def test_help_shows_what_options_take_not_their_types():
     from sftflow.flows.cli import app
 
     runner = CliRunner()
-    for command in ("data", "plan", "train", "eval", "inspect", "run", "server"):
+    for command in ("data", "plan", "train", "eval", "inspect", "run", "promote", "server"):
         result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
         assert result.exit_code == 0, result.output
         assert "<str>" not in result.output and "<bool>" not in result.output and "<int>" not in result.output

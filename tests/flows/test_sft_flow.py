@@ -49,7 +49,7 @@ def first_run(tmp_path_factory):
     demo = write_demo(work / "demo", n=DEMO_RECORDS, seed=0)
     save_family_model("qwen3", len(AutoTokenizer.from_pretrained(demo["tokenizer"])), work / "base-model")
     with RecordedTaskRuns() as runs:
-        state = sft(config=_config(work), return_state=True)
+        state = sft(config=_config(work), promote=True, return_state=True)
     return work, state, runs.states()
 
 
@@ -64,9 +64,12 @@ def test_first_run_completes_every_stage(first_run):
         "plan": {"Completed"},
         "train": {"Completed"},
         "evaluate": {"Completed"},
+        "promote": {"Completed"},
     }
     result = state.result()
     assert result.train.steps == 6
+    # The gate ran last: an empty registry takes the first model as its champion.
+    assert result.promotion.decision == "promoted" and result.promotion.champion == "v0001"
     assert Path(result.train.hf_dir, "config.json").is_file()
     # The export renders conversations as the training data was rendered: the template travels with it.
     from transformers import AutoTokenizer
@@ -91,7 +94,7 @@ def test_second_run_is_cached_end_to_end(first_run):
     assert state.is_completed()
     states = runs.states()
     assert all(set(v) == {"Cached"} for v in states.values()), states
-    assert state.result() == first.result()
+    assert state.result() == first.result().model_copy(update={"promotion": None})  # this run has no gate
 
 
 def test_learning_rate_change_reruns_only_train_and_eval(first_run):
@@ -164,3 +167,4 @@ def test_the_parent_run_carries_the_summary(first_run):
     summary = artifacts[0].data
     assert "| tuned |" in summary and "| base |" in summary
     assert "![loss curve](data:image/png;base64," in summary
+    assert "Promotion: **promoted**, champion `v0001`" in summary

@@ -1,0 +1,79 @@
+"""The `sft-promote` flow: the promotion gate after `sft`. The newly trained model and the registry's champion are
+evaluated on the same (current) eval documents; the new one is published as the next version and made champion only
+if it wins by `promote` in the config (`sftflow.tasks.promotion`). The report is a Prefect markdown artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from sftflow.flows.config import SFTConfig, resolve_config
+from sftflow.flows.data import DataResult, load_data_result
+from sftflow.flows.results import work_dir_lock, write_stage_result
+from sftflow.flows.train import load_train_result
+from sftflow.tasks.fingerprint import sha256_tree
+from sftflow.tasks.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
+from sftflow.tasks.train.launch import TrainResult
+
+
+def registry_root(cfg: SFTConfig) -> Path:
+    return Path(cfg.promote.registry) if cfg.promote.registry else Path(cfg.work_dir).resolve() / "registry"
+
+
+# Not cached: the decision depends on the registry's champion, which other runs change.
+@task(name="promote")
+def promote_task(
+    candidate: ModelRef,
+    index: DatasetIndex,
+    tokenizer_path: str,
+    eval_config: EvalConfig,
+    config: PromoteConfig,
+    registry: str,
+    out_dir: str,
+    source: dict,
+) -> PromoteResult:
+    from prefect.artifacts import create_markdown_artifact
+
+    from sftflow.tasks.promotion import promote
+
+    result = promote(candidate, index, tokenizer_path, eval_config, config, registry, out_dir, source)
+    create_markdown_artifact(
+        Path(result.report_path).read_text(), key="sft-promote-report", description="new model vs the champion"
+    )
+    return result
+
+
+@flow(name="sft-promote", log_prints=True)
+def sft_promote(
+    config_path: str | None = None,
+    config: SFTConfig | None = None,
+    data: DataResult | None = None,
+    train: TrainResult | None = None,
+) -> PromoteResult:
+    """Promote the latest trained model if it beats the champion. Inputs default to the work folder's latest results;
+    the registry is `promote.registry` (default `<work_dir>/registry`)."""
+    cfg = resolve_config(config_path, config)
+    work = Path(cfg.work_dir).resolve()
+    with work_dir_lock(work):
+        data = data or load_data_result(work)
+        train = train or load_train_result(work)
+        if train.hf_dir is None:
+            raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
+        candidate = ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
+        result = promote_task(
+            candidate,
+            data.index,
+            data.tokenizer.path,
+            cfg.eval,
+            cfg.promote,
+            str(registry_root(cfg)),
+            str(work / "promote"),
+            {"run_dir": train.run_dir, "steps": train.steps},
+        )
+        write_stage_result(work, "promote", result)
+    logger = get_run_logger()
+    logger.info("sft-promote: %s; champion %s", result.decision, result.champion)
+    for reason in result.reasons:
+        logger.info("sft-promote: %s", reason)
+    return result

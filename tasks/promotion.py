@@ -1,0 +1,121 @@
+"""The promotion gate: evaluate a newly trained model and the registry's champion on the same eval documents, and
+promote the new one only if it is better by the configured rule (`PromoteConfig`). Plain functions; the Prefect task
+and flow are in `sftflow.flows.promote`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
+from sftflow.tasks.registry import Registry
+
+
+def decide(candidate: dict, champion: dict | None, config: PromoteConfig) -> tuple[bool, list[str]]:
+    """Whether `candidate` replaces `champion` (metrics dicts as `ModelMetrics` writes them), and why."""
+    if champion is None:
+        return True, ["no champion yet: the first model is promoted"]
+    reasons, ok = [], True
+    bar = champion["loss"] * (1 - config.min_improvement)
+    if candidate["loss"] < bar:
+        reasons.append(f"loss {candidate['loss']:.4f} < {bar:.4f} (champion {champion['loss']:.4f})")
+    else:
+        ok = False
+        need = f" by {config.min_improvement:.1%}" if config.min_improvement else ""
+        reasons.append(f"loss {candidate['loss']:.4f} does not beat the champion's {champion['loss']:.4f}{need}")
+    for key in ("token_accuracy", "exact_match"):
+        new, old = candidate.get(key), champion.get(key)
+        if new is None or old is None:
+            continue
+        if new < old - config.max_regression:
+            ok = False
+            reasons.append(f"{key} {new:.3f} fell more than {config.max_regression:.3f} below the champion's {old:.3f}")
+    return ok, reasons
+
+
+def report_markdown(result: PromoteResult, candidate: str, champion_before: str | None) -> str:
+    rows = ["| model | loss | ppl | token acc | exact |", "|---|---|---|---|---|"]
+    for name, m in result.metrics.items():
+        exact = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
+        label = f"{name} ({champion_before})" if name == "champion" else f"{name} ({candidate})"
+        rows.append(f"| {label} | {m['loss']:.4f} | {m['perplexity']:.2f} | {m['token_accuracy']:.1%} | {exact} |")
+    lines = [f"# sft-promote: {result.decision}", "", *rows, "", *[f"- {r}" for r in result.reasons], ""]
+    lines.append(f"Champion now: `{result.champion}`" if result.champion else "No champion.")
+    return "\n".join(lines) + "\n"
+
+
+def promote(
+    candidate: ModelRef,
+    index: DatasetIndex,
+    tokenizer_path: str,
+    eval_config: EvalConfig,
+    config: PromoteConfig,
+    registry_root: str | Path,
+    out_dir: str | Path,
+    source: dict | None = None,
+) -> PromoteResult:
+    """Compare `candidate` with the champion of the registry at `registry_root` and promote it if it wins. The
+    registry stays locked for the whole comparison, so two gates never both promote against the same champion."""
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.eval_stage import load_model
+    from sftflow.tasks.evaluate import evaluate_models
+    from sftflow.tasks.fingerprint import sha256_tree
+    from sftflow.tasks.index import load_index
+    from sftflow.tasks.reader import IndexedDataset
+
+    index.verify()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    registry = Registry(registry_root)
+    sha = candidate.sha256 or sha256_tree(candidate.spec)
+    with registry.lock():
+        champion = registry.champion()
+        before = champion.name if champion else None
+        if champion is not None and champion.sha256 == sha:
+            result = PromoteResult(
+                decision="unchanged",
+                reasons=[f"the candidate is the champion {champion.name} (same files)"],
+                champion=champion.name,
+                candidate_sha256=sha,
+                metrics={},
+                report_path=str(out_dir / "report.md"),
+            )
+            registry.record(
+                {"decision": result.decision, "champion": before, "previous": before, "reasons": result.reasons}
+            )
+            write_atomic(out_dir / "report.md", report_markdown(result, candidate.spec, before))
+            write_atomic(out_dir / "promote.json", json.dumps(result.model_dump(), indent=2))
+            return result
+        dataset = IndexedDataset(load_index(Path(index.path).parent, verify=True), split="eval")
+        if len(dataset) == 0:
+            raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
+        count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
+        docs = [dataset[i] for i in range(count)]
+        models = {"candidate": load_model(candidate, dataset.vocab_size)}
+        if champion is not None:
+            models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        evaluated = evaluate_models(models, tokenizer, docs, eval_config.max_generations, num_examples=0)
+        metrics = {name: m.__dict__ for name, m in evaluated.metrics.items()}
+        ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
+        now = before
+        if ok:
+            card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"]}
+            card["eval_index_sha256"] = index.sha256
+            version = registry.publish(candidate.spec, card)
+            registry.set_champion(version)
+            now = version.name
+        result = PromoteResult(
+            decision="promoted" if ok else "kept",
+            reasons=reasons,
+            champion=now,
+            candidate_sha256=sha,
+            metrics=metrics,
+            report_path=str(out_dir / "report.md"),
+        )
+        registry.record({"decision": result.decision, "champion": now, "previous": before, "reasons": reasons})
+    write_atomic(out_dir / "report.md", report_markdown(result, candidate.spec, before))
+    write_atomic(out_dir / "promote.json", json.dumps(result.model_dump(), indent=2))
+    return result
