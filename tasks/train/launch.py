@@ -239,14 +239,21 @@ def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
 
         # Training reads what the index recorded, or nothing: every index array and shard is checked against the
         # index's sha256s here, once per node, before any worker starts (one read of the data).
-        IndexedDataset(config.data, split=config.data_split, verify=True).reader.close()
+        checked = IndexedDataset(config.data, split=config.data_split, verify=True)
+        vocab_size = checked.vocab_size
+        checked.reader.close()
+    else:
+        vocab_size = config.mock.vocab_size if config.mock is not None else None
     # torch and transformers: only once a run is launched
     from sftflow.tasks.train.checkpoint import checkpoint_to_load
     from sftflow.tasks.train.checksums import verify_checksums
     from sftflow.tasks.train.config import checkpoint_config
     from sftflow.tasks.train.model import preflight
 
-    preflight(config.model, packed=plan.mode == "packed", overrides=config.model_overrides, lora=config.lora)
+    preflight(
+        config.model, packed=plan.mode == "packed", overrides=config.model_overrides, lora=config.lora,
+        vocab_size=vocab_size,
+    )  # fmt: skip
     if config.quantize == "nf4":
         import importlib.util
 

@@ -113,12 +113,22 @@ def model_config(spec: str, *, vocab_size: int | None, overrides: dict | None = 
     return AutoConfig.from_pretrained(spec, **overrides)
 
 
-def preflight(spec: str, *, packed: bool, overrides: dict | None = None, lora=None) -> None:
+def preflight(
+    spec: str, *, packed: bool, overrides: dict | None = None, lora=None, vocab_size: int | None = None
+) -> None:
     """The model checks the worker makes, run before launching it: from the config alone (no weights are read), so a
     model the worker would refuse fails here with one located line instead of after torchrun has started."""
     # A preset's vocabulary comes from the data inside the worker; its structure is all that is checked here.
     config = model_config(spec, vocab_size=1 if spec in PRESETS else None, overrides=overrides)
     check_config(config, packed=packed, spec=spec)
+    if lora is not None and spec not in PRESETS and vocab_size is not None and vocab_size > config.vocab_size:
+        # Grown rows start at the mean embedding; with the embeddings and head frozen they would stay there, and
+        # the model could never learn to read or write the template's own tokens.
+        raise ValueError(
+            f"{spec}: the data's tokenizer has {vocab_size - config.vocab_size} tokens the model lacks (its template "
+            "adds them), and LoRA keeps the embeddings frozen, so they could not be learned; use the model's own "
+            "template (data.render.template: auto) or train without train.lora"
+        )
     if lora is not None and not isinstance(lora.targets, str):
         from transformers import AutoModelForCausalLM
 

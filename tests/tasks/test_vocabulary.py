@@ -77,3 +77,18 @@ def test_training_with_added_tokens_grows_the_model_and_exports_it(tmp_path, tin
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
     assert exported.config.vocab_size == vocab and exported.get_output_embeddings().weight.shape[0] == vocab
     assert AutoTokenizer.from_pretrained(tmp_path / "run" / "hf").convert_tokens_to_ids("<end_of_turn>") == vocab - 1
+
+
+def test_lora_on_a_grown_vocabulary_is_refused_before_launch(tmp_path, tiny_tokenizer_dir):
+    """Frozen embeddings could never learn the added tokens: refused with the way out, before torchrun starts."""
+    from train_helpers import planned_mock, run
+
+    from sftflow.tasks.plan import PlanConfig
+
+    folder = save_family_model("qwen3", 97, tmp_path / "base")
+    plan_config = PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)
+    mock = dict(num_docs=12, median_length=30, max_length=60, min_token_id=3)
+    base, _, _ = planned_mock(tmp_path, 99, None, plan_config, mock=mock, model=str(folder), tokenizer=None)
+    with pytest.raises(ValueError, match=r"2 tokens the model lacks .* LoRA keeps the embeddings frozen"):
+        run(base, tmp_path / "run", max_steps=1, lora={"rank": 4})
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
