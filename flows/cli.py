@@ -427,6 +427,17 @@ def eval_command(
     typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics.is_file() else None))
 
 
+def _sft_config(config: Path | None, work_dir: str | None):
+    """The config file given, or the bundled demo, with `--work-dir` applied."""
+    from sftflow.flows.config import SFTConfig
+    from sftflow.flows.demo import demo_config
+
+    cfg = SFTConfig.from_yaml(config) if config else demo_config()
+    if work_dir:
+        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
+    return cfg
+
+
 @command()
 @_user_errors
 def run(
@@ -441,13 +452,9 @@ def run(
 ) -> None:
     """Run the whole `sft` pipeline in-process (Prefect's local ephemeral API): data → plan → train → eval."""
     _quiet_defaults()
-    from sftflow.flows.config import SFTConfig
-    from sftflow.flows.demo import demo_config
     from sftflow.flows.sft import sft
 
-    cfg = SFTConfig.from_yaml(config) if config else demo_config()
-    if work_dir:
-        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
+    cfg = _sft_config(config, work_dir)
     with _flow_session(cfg.work_dir):
         result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [], promote=promote)
     typer.echo(_final_report(result))
@@ -461,13 +468,9 @@ def promote(
 ) -> None:
     """Promote the work folder's latest trained model if it beats the registry's champion on the same eval docs."""
     _quiet_defaults()
-    from sftflow.flows.config import SFTConfig
-    from sftflow.flows.demo import demo_config
     from sftflow.flows.promote import sft_promote
 
-    cfg = SFTConfig.from_yaml(config) if config else demo_config()
-    if work_dir:
-        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
+    cfg = _sft_config(config, work_dir)
     with _flow_session(cfg.work_dir):
         result = sft_promote(config=cfg)
     typer.echo(Path(result.report_path).read_text())

@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
-from sftflow.flows.train import load_train_result
+from sftflow.flows.train import load_train_result, trained_model
 from sftflow.tasks.eval_stage import eval_task
 from sftflow.tasks.fingerprint import sha256_tree
 from sftflow.tasks.manifests import EvalReport, ModelRef
@@ -30,9 +30,7 @@ def sft_eval(
     with work_dir_lock(work):
         data = data or load_data_result(work)
         train = train or load_train_result(work)
-        if train.hf_dir is None:
-            raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
-        tuned = ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
+        tuned = trained_model(train)
         base = None
         if cfg.eval.compare_base:
             spec = cfg.train.model

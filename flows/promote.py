@@ -11,8 +11,7 @@ from prefect import flow, get_run_logger, task
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
-from sftflow.flows.train import load_train_result
-from sftflow.tasks.fingerprint import sha256_tree
+from sftflow.flows.train import load_train_result, trained_model
 from sftflow.tasks.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
 from sftflow.tasks.train.launch import TrainResult
 
@@ -58,11 +57,8 @@ def sft_promote(
     with work_dir_lock(work):
         data = data or load_data_result(work)
         train = train or load_train_result(work)
-        if train.hf_dir is None:
-            raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
-        candidate = ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
         result = promote_task(
-            candidate,
+            trained_model(train),
             data.index,
             data.tokenizer.path,
             cfg.eval,

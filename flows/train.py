@@ -10,6 +10,8 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
+from sftflow.tasks.fingerprint import sha256_tree
+from sftflow.tasks.manifests import ModelRef
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 from sftflow.tasks.train.stage import train_stage_task
@@ -41,6 +43,13 @@ def sft_train(
         result = task(data.index, plan, tok.path, tok.sha256, options, str(work), fault=fault, node_rank=node_rank)
         write_stage_result(work, "train", result)
         return result
+
+
+def trained_model(train: TrainResult) -> ModelRef:
+    """The run's Hugging Face export, hashed, as the model to evaluate or promote."""
+    if train.hf_dir is None:
+        raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
+    return ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
 
 
 def load_train_result(work_dir: str | Path) -> TrainResult:

@@ -57,13 +57,7 @@ def promote(
 ) -> PromoteResult:
     """Compare `candidate` with the champion of the registry at `registry_root` and promote it if it wins. The
     registry stays locked for the whole comparison, so two gates never both promote against the same champion."""
-    from transformers import AutoTokenizer
-
-    from sftflow.tasks.eval_stage import load_model
-    from sftflow.tasks.evaluate import evaluate_models
     from sftflow.tasks.fingerprint import sha256_tree
-    from sftflow.tasks.index import load_index
-    from sftflow.tasks.reader import IndexedDataset
 
     index.verify()
     out_dir = Path(out_dir)
@@ -73,42 +67,20 @@ def promote(
     with registry.lock():
         champion = registry.champion()
         before = champion.name if champion else None
-        if champion is not None and champion.sha256 == sha:
-            result = PromoteResult(
-                decision="unchanged",
-                reasons=[f"the candidate is the champion {champion.name} (same files)"],
-                champion=champion.name,
-                candidate_sha256=sha,
-                metrics={},
-                report_path=str(out_dir / "report.md"),
-            )
-            registry.record(
-                {"decision": result.decision, "champion": before, "previous": before, "reasons": result.reasons}
-            )
-            write_atomic(out_dir / "report.md", report_markdown(result, candidate.spec, before))
-            write_atomic(out_dir / "promote.json", json.dumps(result.model_dump(), indent=2))
-            return result
-        dataset = IndexedDataset(load_index(Path(index.path).parent, verify=True), split="eval")
-        if len(dataset) == 0:
-            raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
-        count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
-        docs = [dataset[i] for i in range(count)]
-        models = {"candidate": load_model(candidate, dataset.vocab_size)}
-        if champion is not None:
-            models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        evaluated = evaluate_models(models, tokenizer, docs, eval_config.max_generations, num_examples=0)
-        metrics = {name: m.__dict__ for name, m in evaluated.metrics.items()}
-        ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
+        unchanged = champion is not None and champion.sha256 == sha
+        if unchanged:
+            ok, reasons, metrics = False, [f"the candidate is the champion {champion.name} (same files)"], {}
+        else:
+            metrics = _compare(candidate, champion, index, tokenizer_path, eval_config)
+            ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
         now = before
         if ok:
             card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"]}
-            card["eval_index_sha256"] = index.sha256
-            version = registry.publish(candidate.spec, card)
+            version = registry.publish(candidate.spec, {**card, "eval_index_sha256": index.sha256, "sha256": sha})
             registry.set_champion(version)
             now = version.name
         result = PromoteResult(
-            decision="promoted" if ok else "kept",
+            decision="promoted" if ok else ("unchanged" if unchanged else "kept"),
             reasons=reasons,
             champion=now,
             candidate_sha256=sha,
@@ -119,3 +91,25 @@ def promote(
     write_atomic(out_dir / "report.md", report_markdown(result, candidate.spec, before))
     write_atomic(out_dir / "promote.json", json.dumps(result.model_dump(), indent=2))
     return result
+
+
+def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer_path: str, eval_config: EvalConfig):
+    """Metrics of the candidate and the champion (if any) on the same eval documents, by name."""
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.eval_stage import load_model
+    from sftflow.tasks.evaluate import evaluate_models
+    from sftflow.tasks.index import load_index
+    from sftflow.tasks.reader import IndexedDataset
+
+    dataset = IndexedDataset(load_index(Path(index.path).parent, verify=True), split="eval")
+    if len(dataset) == 0:
+        raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
+    count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
+    docs = [dataset[i] for i in range(count)]
+    models = {"candidate": load_model(candidate, dataset.vocab_size)}
+    if champion is not None:
+        models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    evaluated = evaluate_models(models, tokenizer, docs, eval_config.max_generations, num_examples=0)
+    return {name: m.__dict__ for name, m in evaluated.metrics.items()}

@@ -83,7 +83,9 @@ class Registry:
         name = f"v{(int(taken[-1][1:]) + 1 if taken else 1):04d}"
         staging = self.root / f".{name}.tmp"
         shutil.copytree(model_dir, staging / "model")
-        card = {**card, "version": name, "sha256": sha256_tree(staging / "model"), "published_at": time.time()}
+        # The caller's hash of the folder when it has one: hashing a multi-GB export again costs minutes.
+        sha = card.get("sha256") or sha256_tree(staging / "model")
+        card = {**card, "version": name, "sha256": sha, "published_at": time.time()}
         write_atomic(staging / "card.json", json.dumps(card, indent=2))
         staging.rename(self.root / name)
         fsync_folder(self.root)
