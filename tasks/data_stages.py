@@ -116,13 +116,15 @@ def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir
     wanted = template.writes_tokens if template is not None else ()
     if not wanted:
         return tokenizer
-    from transformers import AutoTokenizer
+    from sftflow.tasks.tokenizer_files import load_tokenizer_files
 
-    tok = AutoTokenizer.from_pretrained(tokenizer.path)
-    vocab = tok.get_vocab()
+    vocab = load_tokenizer_files(tokenizer.path).get_vocab()
     missing = [t for t in wanted if t not in vocab]
     if not missing:
         return tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.path)
     tok.add_tokens(missing, special_tokens=True)
     out = Path(work_dir) / "tokenizers" / f"{tokenizer.sha256[:16]}-{sha256_text(' '.join(missing))[:8]}"
     if not out.is_dir():  # saved aside, then renamed: a folder that exists is complete

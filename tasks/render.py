@@ -299,9 +299,9 @@ def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = N
     """Load the template `config` names, with special tokens (bos_token, eos_token, ...) from the tokenizer."""
     tokenizer = None
     if tokenizer_path is not None:
-        from transformers import AutoTokenizer
+        from sftflow.tasks.tokenizer_files import load_tokenizer_files
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        tokenizer = load_tokenizer_files(tokenizer_path)
     if config.template is None and tokenizer is None:
         if config.format == "text_spans":
             return None
