@@ -4,10 +4,11 @@
     python benchmarks/train_throughput.py --gpu-check DIR                         # the worker check
     python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
 
-Model: Llama-3.2-1B-shaped, random init (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab
-128256, tied embeddings). Data: `MockDataset` documents, lengths lognormal (median 600, sigma 1, clipped to
-[16, 4096]), loss spans train about half of each document's tokens. The rows come from `sftflow.tasks.plan.plan`
-(16,384 tokens per row, one row per optimizer step, one rank).
+Model: Llama-3.2-1B-shaped (`--preset llama1b`, the default), random init (hidden 2048, 16 layers, 32 heads, 8 KV
+heads, intermediate 8192, vocab 128256, tied embeddings); `--preset llama8b` is Llama-3.1-8B-shaped (hidden 4096, 32
+layers, intermediate 14336, head dim 128, untied head). Data: `MockDataset` documents, lengths lognormal (median 600,
+sigma 1, clipped to [16, 4096]), loss spans train about half of each document's tokens. The rows come from
+`sftflow.tasks.plan.plan` (16,384 tokens per row, one row per optimizer step, one rank).
 
 Modes, all in one process, all with the same model init, fp32 master weights, bf16 compute, the worker's AdamW
 (`build_optimizer`), gradient clipping at 1.0, one optimizer step per micro-batch. B, C and D are wrapped like the
@@ -20,6 +21,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **B** (best assembly of libraries): the same packed rows as D, torch `varlen_attn` registered as a transformers
   attention function, Liger's fused linear cross-entropy (sum / trained tokens).
 - **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
+- **Cac**: C plus transformers' gradient checkpointing on every decoder layer (`gradient_checkpointing_enable`,
+  non-reentrant), how its users fit long rows or big models.
 - **D** (sftflow): the worker's own step, imported, not copied: `build_model`, the worker's default `compile="auto"`
   (on CUDA: each decoder layer's forward through `torch.compile(dynamic=True)`, sftflow's attention under
   `torch.compiler.disable`, RoPE in the projections' layout), the worker's default `parallel="auto"` (`parallelize`:
@@ -29,13 +32,18 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
   one host sync for the step's statistics), then the scheduler and `MetricsLogger`.
 - **De**: D with `compile="off"` (eager), to show what compilation buys.
 - **Df**: D with `parallel="fsdp"` (FSDP2 at world size 1 and torch's fused AdamW, D before the one-device path).
+- **L** / **Lp**: LoRA, rank 16 on every linear layer of the decoder: L is D with `train.lora` (the worker's
+  `apply_lora`, frozen bf16 base, fp32 adapters and their fused AdamW); Lp is the common peer setup (`mode_lora_peer`:
+  `peft.get_peft_model` on the bf16 model, autocast, torch `varlen_attn`, Liger's fused CE, compiled layers).
 - **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
   longer rows cost in time for the memory they save.
 
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
 6 * layers * q_width * sum(doc_len^2)) / time / (measured bf16 matmul rate), N = decoder-layer parameters + LM head
-(the head matmul runs even when it is tied to the embedding). Peak memory: `max_memory_allocated` over the mode.
+(the head matmul runs even when it is tied to the embedding); 4 * N for the LoRA modes (frozen weights get no weight
+gradient). tokens/s aggregate: total tokens over total timed wall time. Peak memory: `max_memory_allocated` over the
+mode.
 """
 
 from __future__ import annotations
@@ -78,6 +86,20 @@ PRESETS = {
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
     ),
+    # Llama-3.1-8B's shape (untied head; the llama3 RoPE scaling left out: it changes no cost)
+    "llama8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -92,7 +114,8 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
-MODES = ("A", "B", "C", "D", "De", "Df", "Dsel", "Dac")
+MODES = ("A", "B", "C", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp")
+LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
 
@@ -429,7 +452,8 @@ class Bench:
     def summarise(self, name, times, tokens, sum_sq, oom, extra) -> dict:
         per_step = [n / t for n, t in zip(tokens, times, strict=True)]
         flops = [
-            6 * self.n_matmul * n + 6 * self.n_layers * self.width * sq for n, sq in zip(tokens, sum_sq, strict=True)
+            self.matmul_factor * self.n_matmul * n + 6 * self.n_layers * self.width * sq
+            for n, sq in zip(tokens, sum_sq, strict=True)
         ]
         mfu = [f / t / (self.tflops * 1e12) for f, t in zip(flops, times, strict=True)] if self.tflops else []
         result = {
@@ -451,9 +475,11 @@ class Bench:
         print(f"[{name}] {json.dumps(result)}", flush=True)
         return result
 
-    def set_shape(self, lm):
+    def set_shape(self, lm, lora: bool = False):
         from sftflow.tasks.train.model import attention_width
 
+        # a frozen weight's matmuls run forward and for the input gradient only (4 of the 6 FLOPs per parameter)
+        self.matmul_factor = 4 if lora else 6
         self.n_matmul = matmul_params(lm)
         self.n_layers = lm.config.num_hidden_layers
         self.width = attention_width(lm.config)
@@ -500,9 +526,9 @@ class Bench:
             self.on_oom = None
 
     # -- B / C --------------------------------------------------------------------------------------------------------
-    def mode_bc(self, compiled: bool) -> dict:
+    def mode_bc(self, compiled: bool, checkpointing: bool = False) -> dict:
         args = self.args
-        name = "C" if compiled else "B"
+        name = ("Cac" if checkpointing else "C") if compiled else "B"
         warmup = args.compile_warmup if compiled else args.warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
         attention = register_baseline_attention(self.device)
@@ -511,6 +537,8 @@ class Bench:
         if compiled:
             torch._dynamo.reset()
             compile_layers(lm)
+        if checkpointing:  # what transformers users turn on: every decoder layer, non-reentrant
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         root = LigerRoot(lm, self.device)
         model = shard_like_worker(root, lm, self.env, self.param_dtype)
         optimizer, scheduler = self.optimizer(model)
@@ -532,10 +560,68 @@ class Bench:
             scheduler.step()
             return batch_tokens(b)
 
-        extra = {"what": f"{attention}, {root.loss_name}" + (", compiled layers (dynamic)" if compiled else "")}
+        extra = {
+            "what": f"{attention}, {root.loss_name}"
+            + (", compiled layers (dynamic)" if compiled else "")
+            + (", gradient checkpointing (every layer)" if checkpointing else "")
+        }
         result = self.timed(name, step, warmup, args.steps, extra)
         if compiled:
             result["dynamo"] = dynamo_stats()
+        return result
+
+    # -- Lp: LoRA as its users run it -----------------------------------------------------------------------------
+    def mode_lora_peer(self) -> dict:
+        """LoRA the common way on one GPU: the Hugging Face model in bf16, `peft.get_peft_model` (rank 16 on all linear
+        layers, adapters in fp32), bf16 autocast, the packed rows with torch `varlen_attn`, Liger's fused linear CE,
+        compiled decoder layers, no FSDP, torch's fused AdamW over the adapters."""
+        from peft import LoraConfig, get_peft_model
+
+        args, device = self.args, self.device
+        warmup = args.compile_warmup
+        rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
+        attention = register_baseline_attention(device)
+        lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False).to(torch.bfloat16)
+        self.set_shape(lm, lora=True)
+        peft_config = LoraConfig(
+            r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+        get_peft_model(lm, peft_config)  # injects the adapters into `lm` in place and freezes the rest
+        torch._dynamo.reset()
+        compile_layers(lm)
+        root = LigerRoot(lm, device)
+        trained = [p for p in root.parameters() if p.requires_grad]
+        c = self.optim_c
+        optimizer = torch.optim.AdamW(
+            trained, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=device.type == "cuda"
+        )
+        scheduler = self.scheduler(optimizer)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+        def step(i):
+            b = rows[i]
+            with autocast:
+                loss_sum = root(
+                    input_ids=b["input_ids"].to(device, non_blocking=True),
+                    position_ids=b["position_ids"].to(device, non_blocking=True),
+                    labels=b["labels"].to(device, non_blocking=True),
+                    cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
+                    max_seqlen=int(b["max_seqlen"]),
+                )
+            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
+            torch.nn.utils.clip_grad_norm_(trained, c.grad_clip, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return batch_tokens(b)
+
+        extra = {
+            "what": f"peft LoRA r{LORA_RANK} all-linear on a bf16 model, bf16 autocast, {attention}, {root.loss_name}, "
+            "compiled layers (dynamic), no FSDP",
+            "trained_params": sum(p.numel() for p in trained),
+        }
+        result = self.timed("Lp", step, warmup, args.steps, extra)
+        result["dynamo"] = dynamo_stats()
         return result
 
     # -- D / De -------------------------------------------------------------------------------------------------------
@@ -546,6 +632,7 @@ class Bench:
         compile_mode: str = "auto",
         parallel: str = "auto",
         checkpointing: str = "off",
+        lora: bool = False,
     ) -> dict:
         """The worker's step: `build_model`, the worker's `compile` and `parallel` settings (`parallelize`), and
         `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
@@ -564,7 +651,12 @@ class Bench:
         compiled = resolve_compile(compile_mode, env.device)
         warmup = args.compile_warmup if compiled else args.warmup
         lm = self.build_lm("", packed_worker=True)
-        self.set_shape(lm)
+        self.set_shape(lm, lora=lora)
+        if lora:
+            from sftflow.tasks.train.config import LoraSettings
+            from sftflow.tasks.train.lora import apply_lora
+
+            apply_lora(lm, LoraSettings(rank=LORA_RANK, targets="all-linear"), "benchmark")
         original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
         if compiled:
             torch._dynamo.reset()
@@ -572,7 +664,7 @@ class Bench:
         apply_activation_checkpointing(decoder_layers(lm), checkpointing)  # after compiling, as the worker does
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         parallel = resolve_parallel(parallel, env)
-        model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c)
+        model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c, lora=lora)
         scheduler = self.scheduler(optimizer)
         _, n_dense = count_params(lm)
         metrics_path = Path(args.tmp) / f"metrics-{name}.jsonl"
@@ -641,6 +733,7 @@ class Bench:
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
             f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}, "
             f"activation checkpointing {checkpointing}"
+            + (f", LoRA r{LORA_RANK} all-linear" if lora else "")
             + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
         }
         try:
@@ -1027,11 +1120,14 @@ def main(argv=None) -> dict:
             "A": bench.mode_a,
             "B": partial(bench.mode_bc, compiled=False),
             "C": partial(bench.mode_bc, compiled=True),
+            "Cac": partial(bench.mode_bc, compiled=True, checkpointing=True),
             "D": partial(bench.mode_d, "D", out),
             "De": partial(bench.mode_d, "De", out, compile_mode="off"),
             "Df": partial(bench.mode_d, "Df", out, parallel="fsdp"),
             "Dsel": partial(bench.mode_d, "Dsel", out, checkpointing="selective"),
             "Dac": partial(bench.mode_d, "Dac", out, checkpointing="full"),
+            "L": partial(bench.mode_d, "L", out, lora=True),
+            "Lp": bench.mode_lora_peer,
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:

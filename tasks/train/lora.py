@@ -6,7 +6,9 @@ wrapped `nn.Linear` becomes `<name>.base_layer` beside `<name>.lora_A.default` a
 adapters require gradients. What else changes for a LoRA run:
 
 - the frozen base is held in the compute dtype (bf16 on GPUs; the adapters and their AdamW state stay fp32), and its
-  weights are read from the checkpoint even on a resume (checkpoints hold only the adapters);
+  weights are read from the checkpoint even on a resume (checkpoints hold only the adapters); on one GPU the decoder
+  runs under bf16 autocast so that the adapters compute in bf16 too (`compute_adapters_in_autocast`), as FSDP's
+  mixed precision does where the model is sharded;
 - an adapter built on the meta device (a checkpoint read shard by shard) is initialised here as PEFT initialises it
   (`lora_A` Kaiming-uniform, `lora_B` zeros, so step 0 computes the base model), from a generator seeded by the run's
   seed and the parameter's name, so every rank and world size starts from the same adapters;
@@ -95,6 +97,16 @@ def freeze_in_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if not param.requires_grad and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def compute_adapters_in_autocast(model: nn.Module) -> None:
+    """For fp32 adapters on a bf16 base run under autocast: turn off PEFT's cast of each wrapped layer's input to the
+    adapter's dtype. That cast makes an fp32 copy of every input (kept for the backward) and runs the adapter's
+    matmuls and its output in fp32; under autocast the adapter computes in bf16 and its gradients still reach the fp32
+    parameters."""
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
 
 
 def export_adapter(state_dict: dict[str, torch.Tensor], config, settings: LoraSettings, base: str, out: Path):

@@ -17,6 +17,7 @@ materialised.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -224,11 +225,14 @@ class CausalLMLoss(nn.Module):
     training step divides by the step's global trained-token count.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.lm = lm
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.router_aux_loss_coef = router_aux_loss_coef(lm.config)
+        # Set where parameters of two dtypes meet in one matmul (fp32 LoRA adapters on a bf16 base): the decoder then
+        # computes in this dtype, as FSDP's mixed precision casts them where the model is sharded.
+        self.autocast_dtype = autocast_dtype
 
     def forward(
         self, input_ids, position_ids, labels, attention_mask=None, cu_seqlens=None, max_seqlen=None, loss_rows=None
@@ -240,13 +244,19 @@ class CausalLMLoss(nn.Module):
             )
         if self.router_aux_loss_coef is not None:
             attn_kwargs["output_router_logits"] = True
-        out = self.lm.base_model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            **attn_kwargs,
+        autocast = (
+            torch.autocast(input_ids.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
         )
+        with autocast:
+            out = self.lm.base_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                **attn_kwargs,
+            )
         weight = self.lm.get_output_embeddings().weight
         loss_sum = linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
         if self.router_aux_loss_coef is not None:

@@ -42,7 +42,7 @@ from sftflow.tasks.train.compile import compile_layers, resolve_compile
 from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
-from sftflow.tasks.train.lora import apply_lora, export_adapter, freeze_in_dtype
+from sftflow.tasks.train.lora import apply_lora, compute_adapters_in_autocast, export_adapter, freeze_in_dtype
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
 from sftflow.tasks.train.model import (
     CausalLMLoss,
@@ -107,7 +107,10 @@ def parallelize(
             materialize(lm, lm, env.device, weights, seed=seed)
         if lora:
             lm.to(env.device)
-            model = CausalLMLoss(lm)
+            mixed = param_dtype != torch.float32  # a bf16 base under fp32 adapters
+            if mixed:
+                compute_adapters_in_autocast(lm)
+            model = CausalLMLoss(lm, autocast_dtype=param_dtype if mixed else None)
             return model, build_optimizer(model, c), ModelState(lm, trained_only=True)
         model, optimizer = single_device_model(
             lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps
