@@ -44,14 +44,16 @@ from sftflow.tasks.template_limits import (
 
 log = logging.getLogger(__name__)
 
-BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "gemma", "phi3", "zephyr", "mistral")
+BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "qwen3", "gemma", "gemma3", "phi3", "zephyr", "mistral")
 # The special tokens each built-in template writes, which a tokenizer must know as single tokens for the text to
 # tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies).
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "qwen2_5": ("<|im_start|>", "<|im_end|>"),
+    "qwen3": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     "zephyr": (),
     "mistral": (),  # [INST] is a control token in v3 vocabularies, plain text in older ones

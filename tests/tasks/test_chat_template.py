@@ -229,3 +229,121 @@ def test_mistral_template_places_the_system_in_the_last_user_turn_and_trains_ans
     assert [text[a:b] for a, b in spans] == ["Hello</s>", "5</s>"]
     with pytest.raises(TemplateError, match="starts with a user turn"):
         template.render([{"role": "assistant", "content": "x"}])
+
+
+# Qwen3's official template renders history: reasoning only after the last real user query, an empty <think> block on
+# the last turn. The expected texts are what Hugging Face's `apply_chat_template` renders with Qwen3's own template.
+_QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {}}}]
+_QWEN3_CASES = [
+    (
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning_content": "think b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d", "reasoning_content": "\nthink d\n"},
+        ],
+        None,
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nthink d\n</think>\n\nd<|im_end|>\n",
+        ["b<|im_end|>", "<think>\nthink d\n</think>\n\nd<|im_end|>"],
+    ),
+    (
+        [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "w?"},
+            {
+                "role": "assistant",
+                "content": "let me",
+                "reasoning_content": "plan",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                    {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                ],
+            },
+            {"role": "tool", "content": "1"},
+            {"role": "tool", "content": "2"},
+            {"role": "assistant", "content": "done", "reasoning_content": "fin"},
+        ],
+        _QWEN3_TOOLS,
+        "<|im_start|>system\nsys\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+        'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n<think>\nplan\n</think>\n\nlet me\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1\n'
+        "</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\nfin\n"
+        "</think>\n\ndone<|im_end|>\n",
+        None,
+    ),
+    (
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "x", "reasoning_content": "r"},
+            {"role": "user", "content": "<tool_response>\nz\n</tool_response>"},
+            {"role": "assistant", "content": "<think>r2</think>y"},
+        ],
+        None,
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\nx<|im_end|>\n<|im_start|>user\n"
+        "<tool_response>\nz\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\nr2\n</think>\n\ny<|im_end|>\n",
+        ["<think>\nr\n</think>\n\nx<|im_end|>", "<think>\nr2\n</think>\n\ny<|im_end|>"],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_QWEN3_CASES)))
+def test_qwen3_template_renders_history_as_qwen3_does(case):
+    from sftflow.tasks.render import _alias_reasoning
+
+    messages, tools, expected, trained = _QWEN3_CASES[case]
+    template = load_template("qwen3", _tokenizer_with("", {"eos_token": "<|im_end|>"}))
+    text, spans = template.render(_alias_reasoning(messages), tools)
+    assert text == expected
+    if trained is not None:
+        assert [text[a:b] for a, b in spans] == trained
+    # the last turn always carries a <think> block, empty without reasoning; the generation prompt does not
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert template.render(plain)[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nhello<|im_end|>\n")
+    assert (
+        template.render(plain[:1], add_generation_prompt=True)[0]
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_auto_tells_qwen3_from_qwen2_5_and_chatml():
+    """A Qwen3-style tokenizer template (the tagged one with its tags removed) is matched by `qwen3` alone."""
+    import re
+
+    stock = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", builtin_template_text("qwen3"))
+    picked = load_template("auto", _tokenizer_with(stock, {"eos_token": "<|im_end|>"}), tokenizer_name="Qwen/Qwen3")
+    assert picked.name.startswith("qwen3 (auto:")
+
+
+def test_gemma3_template_folds_the_system_message_into_the_first_user_turn():
+    """Expected text: what Hugging Face's `apply_chat_template` renders with Gemma 3's own template. Gemma 1/2's
+    template refuses a system message, so `auto` tells the two apart."""
+    import re
+
+    special = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    template = load_template("gemma3", _tokenizer_with("", special))
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": " a\n"},
+        {"role": "assistant", "content": "\n b "},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    text, spans = template.render(messages)
+    assert text == (
+        "<bos><start_of_turn>user\ns\n\na<end_of_turn>\n<start_of_turn>model\nb<end_of_turn>\n"
+        "<start_of_turn>user\nc<end_of_turn>\n<start_of_turn>model\nd<end_of_turn>\n"
+    )
+    assert [text[a:b] for a, b in spans] == ["b<end_of_turn>\n", "d<end_of_turn>\n"]
+    with pytest.raises(TemplateError, match="alternate"):
+        template.render([{"role": "assistant", "content": "x"}])
+    untag = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+    for name in ("gemma", "gemma3"):
+        stock = untag.sub("", builtin_template_text(name))
+        picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="google/gemma")
+        assert picked.name.startswith(f"{name} (auto:")
