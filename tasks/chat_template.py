@@ -44,7 +44,18 @@ from sftflow.tasks.template_limits import (
 
 log = logging.getLogger(__name__)
 
-BUILTIN_TEMPLATES = ("chatml", "llama3", "qwen2_5", "qwen3", "gemma", "gemma3", "phi3", "zephyr", "mistral")
+BUILTIN_TEMPLATES = (
+    "chatml",
+    "llama3",
+    "llama3_1",
+    "qwen2_5",
+    "qwen3",
+    "gemma",
+    "gemma3",
+    "phi3",
+    "zephyr",
+    "mistral",
+)
 # The special tokens each built-in template writes, which a tokenizer must know as single tokens for the text to
 # tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies).
 TEMPLATE_TOKENS = {
@@ -52,6 +63,7 @@ TEMPLATE_TOKENS = {
     "qwen2_5": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "llama3_1": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
     "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),

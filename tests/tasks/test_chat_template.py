@@ -347,3 +347,51 @@ def test_gemma3_template_folds_the_system_message_into_the_first_user_turn():
         stock = untag.sub("", builtin_template_text(name))
         picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="google/gemma")
         assert picked.name.startswith(f"{name} (auto:")
+
+
+def test_llama3_1_template_writes_the_date_preamble_and_tools_in_the_first_user_turn():
+    """Expected text: what Hugging Face's `apply_chat_template` renders with Llama 3.1's own template (its fixed
+    date, tools in the first user turn, one JSON call per turn, tool output JSON-encoded)."""
+    import re
+
+    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    template = load_template("llama3_1", _tokenizer_with("", special))
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {}}}]
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "21"},
+        {"role": "assistant", "content": " 21.\n"},
+    ]
+    text, spans = template.render(messages, tools)
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    assert text == (
+        "<|begin_of_text|>" + header.format("system") + "Environment: ipython\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\ns<|eot_id|>" + header.format("user") + "Given the following functions, please "
+        "respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\n"
+        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+        'Do not use variables.\n\n{\n    "type": "function",\n    "function": {\n        "name": "get_weather",\n'
+        '        "description": "d",\n        "parameters": {}\n    }\n}\n\nw?<|eot_id|>'
+        + header.format("assistant")
+        + '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+        + header.format("ipython")
+        + '"21"<|eot_id|>'
+        + header.format("assistant")
+        + "21.<|eot_id|>"
+    )
+    trained = ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "21.<|eot_id|>"]
+    assert [text[a:b] for a, b in spans] == trained
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert template.render(plain)[0] == (
+        "<|begin_of_text|>" + header.format("system") + "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul "
+        "2024\n\n<|eot_id|>" + header.format("user") + "hi<|eot_id|>" + header.format("assistant") + "hello<|eot_id|>"
+    )
+    with pytest.raises(TemplateError, match="single tool-calls"):
+        template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": []}])
+    untag = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+    for name in ("llama3", "llama3_1"):
+        stock = untag.sub("", builtin_template_text(name))
+        picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="meta-llama/Llama")
+        assert picked.name.startswith(f"{name} (auto:")
