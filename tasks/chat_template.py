@@ -53,6 +53,7 @@ BUILTIN_TEMPLATES = (
     "gemma",
     "gemma3",
     "phi3",
+    "phi4",
     "zephyr",
     "mistral",
 )
@@ -67,6 +68,7 @@ TEMPLATE_TOKENS = {
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
     "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    "phi4": ("<|im_start|>", "<|im_sep|>", "<|im_end|>"),
     "zephyr": (),
     "mistral": (),  # [INST] is a control token in v3 vocabularies, plain text in older ones
 }

@@ -395,3 +395,31 @@ def test_llama3_1_template_writes_the_date_preamble_and_tools_in_the_first_user_
         stock = untag.sub("", builtin_template_text(name))
         picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="meta-llama/Llama")
         assert picked.name.startswith(f"{name} (auto:")
+
+
+def test_phi4_template_renders_turns_without_newlines_and_refuses_tool_calls():
+    """Expected text: what Hugging Face's `apply_chat_template` renders with Phi-4's own template, which drops tool
+    calls and tool turns; the tagged copy refuses them instead of training a turn without its call."""
+    import re
+
+    template = load_template("phi4", _tokenizer_with("", {"eos_token": "<|im_end|>"}))
+    messages = [
+        {"role": "system", "content": " s "},
+        {"role": "user", "content": " a\n"},
+        {"role": "assistant", "content": "\n b "},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    text, spans = template.render(messages)
+    assert text == (
+        "<|im_start|>system<|im_sep|> s <|im_end|><|im_start|>user<|im_sep|> a\n<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>\n b <|im_end|><|im_start|>user<|im_sep|>c<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>d<|im_end|>"
+    )
+    assert [text[a:b] for a, b in spans] == ["\n b <|im_end|>", "d<|im_end|>"]
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    with pytest.raises(TemplateError, match="no tool calls"):
+        template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
+    stock = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", builtin_template_text("phi4"))
+    picked = load_template("auto", _tokenizer_with(stock, {}), tokenizer_name="microsoft/phi-4")
+    assert picked.name.startswith("phi4 (auto:")
