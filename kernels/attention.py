@@ -14,7 +14,7 @@ Backends (``SFTFLOW_ATTENTION=<name>`` forces one; otherwise the first available
 
 | backend      | needs                                             |
 |--------------|---------------------------------------------------|
-| ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU); head dim <= 128 by default |
+| ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU); head dim <= 256 by default |
 | ``flash_attn`` | the flash-attn package, CUDA, fp16/bf16          |
 | ``torch``    | ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), CUDA, fp16/bf16 |
 | ``sdpa``     | nothing: SDPA with a (T, T) block-diagonal causal mask; the CPU reference (memory O(H T^2)) |
@@ -74,9 +74,9 @@ BACKENDS = {
 }
 # CUDA order from benchmarks/RESULTS.md (## Kernels): on the H200 our Triton kernel ran forward+backward 1.35-1.69x
 # faster than torch varlen_attn (FlashAttention-2 inside torch) at D=64 and D=128, so it comes first; flash_attn
-# (FA2 too) was not installed there and was not measured. Head dims above 128 skip triton (not tuned or tested).
+# (FA2 too) was not installed there and was not measured. Head dims above 256 skip triton (not tuned or tested).
 PREFERENCE = {"cuda": ("triton", "flash_attn", "torch", "sdpa"), "cpu": ("sdpa", "triton")}
-TRITON_MAX_HEAD_DIM = 128
+TRITON_MAX_HEAD_DIM = 256
 
 
 def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:

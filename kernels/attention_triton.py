@@ -48,8 +48,8 @@ NO_WINDOW = 2**30
 # Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
 # benchmarks/RESULTS.md). The backward runs two kernels: dK/dV (a program per key block, looping over its group's
 # query heads) and dQ (a program per query block), each with its own shape.
-def _cfg(block_m: int, block_n: int, stages: int, order: str) -> dict:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages, ORDER=order)
+def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, ORDER=order)
 
 
 CONFIGS = {
@@ -57,6 +57,17 @@ CONFIGS = {
     (64, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
     (128, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
     (128, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
+    # Gemma 3 (D=256): shallower tiles, so that K/V stages and the fp32 accumulators fit shared memory and registers
+    (256, False): {
+        "fwd": _cfg(64, 32, 2, "row"),
+        "dkdv": _cfg(32, 32, 2, "row"),
+        "dq": _cfg(128, 32, 2, "row", 8),
+    },
+    (256, True): {
+        "fwd": _cfg(64, 32, 2, "row"),
+        "dkdv": _cfg(32, 32, 2, "row"),
+        "dq": _cfg(128, 32, 2, "row", 8),
+    },
 }
 SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
 
@@ -348,7 +359,7 @@ def _bwd_delta_kernel(
 def _configs(D: int, gqa: bool, device: torch.device) -> dict:
     if device.type != "cuda":
         return {part: SMALL_CONFIG for part in ("fwd", "dkdv", "dq")}
-    return CONFIGS.get((D, gqa)) or CONFIGS[(64 if D < 64 else 128, gqa)]
+    return CONFIGS.get((D, gqa)) or CONFIGS[(64 if D < 64 else 128 if D <= 128 else 256, gqa)]
 
 
 def _launch(cfg: dict) -> tuple[str, dict]:

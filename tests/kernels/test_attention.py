@@ -194,17 +194,19 @@ def test_dispatch_env_override_and_logging(monkeypatch, caplog):
 
 @needs_triton
 def test_cuda_preference_without_a_gpu(monkeypatch):
-    """Choosing only inspects availability, so the CUDA order can be checked on CPU: ours first, none past D=128."""
+    """Choosing only inspects availability, so the CUDA order can be checked on CPU: ours first up to D=256, none
+    past it."""
     monkeypatch.delenv("SFTFLOW_ATTENTION", raising=False)
     assert attn.select_backend("cuda", torch.bfloat16, head_dim=128).name == "triton"
-    assert attn.select_backend("cuda", torch.bfloat16, head_dim=256).name != "triton"
+    assert attn.select_backend("cuda", torch.bfloat16, head_dim=256).name == "triton"
+    assert attn.select_backend("cuda", torch.bfloat16, head_dim=512).name != "triton"
     q, k, v, cu = make_inputs([3, 5], 2, 1, 16, "cpu")
     varlen_attention(q, k, v, cu, 5)
     assert attn.last_backend().name == "sdpa"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("window", [None, 300])
 def test_triton_bf16_on_gpu(D, group, window):
