@@ -185,7 +185,26 @@ def build_index(
         raise ValueError(f"got {len(shard_sha256s)} shard_sha256s for {len(pbin_paths)} pbin paths")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    scan = _scan_shards(pbin_paths, out_dir, max_length, shard_sha256s)
+    arrays = _dedup_and_split(scan, dedup, eval_fraction, split_salt)
+    config = {"max_length": max_length, "dedup": dedup, "eval_fraction": eval_fraction, "split_salt": split_salt}
+    return _write_index(out_dir, arrays, scan, config, pbin_paths)
 
+
+@dataclass
+class _Scan:
+    """The kept documents of every shard, as columns, and what was dropped on the way."""
+
+    arrays: dict[str, np.ndarray]
+    dropped: dict[str, int]
+    shards_meta: list[dict]
+    vocab_size: int | None
+    num_docs_in: int
+
+
+def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256s) -> _Scan:
+    """Read each shard's lengths and trained-token counts, drop documents over `max_length` or without trained
+    tokens, and hash the rest."""
     columns: dict[str, list[np.ndarray]] = {k: [] for k in ("shard", "doc", "length", "loss_tokens", "content_hash")}
     dropped = dict.fromkeys(DROP_REASONS, 0)
     shards_meta, vocab_size, num_docs_in = [], None, 0
@@ -224,24 +243,33 @@ def build_index(
                 }
             )
     arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=_EMPTY_DTYPES[k]) for k, v in columns.items()}
+    return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in)
 
+
+def _dedup_and_split(scan: _Scan, dedup: bool, eval_fraction: float, split_salt: str) -> dict[str, np.ndarray]:
+    """Drop repeated contents (the first occurrence stays; counted in `scan.dropped`), then assign each document to
+    train or eval by its content hash."""
+    arrays = scan.arrays
     if dedup and len(arrays["content_hash"]):
         _, first = np.unique(arrays["content_hash"], return_index=True)  # stable: the first occurrence wins
         keep = np.zeros(len(arrays["content_hash"]), dtype=bool)
         keep[first] = True
-        dropped["duplicate"] = int((~keep).sum())
+        scan.dropped["duplicate"] = int((~keep).sum())
         arrays = {k: v[keep] for k, v in arrays.items()}
-
     arrays["split"] = split_of(arrays["content_hash"], eval_fraction, split_salt)
     arrays["train_ids"] = np.flatnonzero(arrays["split"] == TRAIN).astype(np.int64)
     arrays["eval_ids"] = np.flatnonzero(arrays["split"] == EVAL).astype(np.int64)
+    return arrays
 
+
+def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, config: dict, pbin_paths) -> IndexInfo:
+    """The arrays as `.npy` files and `index.json` (counts, drops, shards, array checksums), each written atomically."""
     array_meta = {name: _save_npy(out_dir / f"{name}.npy", arrays[name]) for name in ARRAY_NAMES}
     length = arrays["length"].astype(np.int64)
     loss_tokens = arrays["loss_tokens"].astype(np.int64)
     train, ev = arrays["train_ids"], arrays["eval_ids"]
     counts = {
-        "num_docs_in": num_docs_in,
+        "num_docs_in": scan.num_docs_in,
         "num_docs": len(length),
         "num_train": len(train),
         "num_eval": len(ev),
@@ -253,11 +281,11 @@ def build_index(
     meta = {
         "kind": "sftflow-dataset-index",
         "format_version": INDEX_FORMAT_VERSION,
-        "config": {"max_length": max_length, "dedup": dedup, "eval_fraction": eval_fraction, "split_salt": split_salt},
-        "vocab_size": vocab_size,
+        "config": config,
+        "vocab_size": scan.vocab_size,
         "counts": counts,
-        "dropped": dropped,
-        "shards": shards_meta,
+        "dropped": scan.dropped,
+        "shards": scan.shards_meta,
         "arrays": array_meta,
     }
     index_path = out_dir / "index.json"
@@ -267,8 +295,8 @@ def build_index(
         path=str(index_path),
         sha256=sha256_file(index_path),
         shard_paths=[str(p) for p in pbin_paths],
-        shard_sha256s=[m["sha256"] for m in shards_meta],
-        dropped=dropped,
+        shard_sha256s=[m["sha256"] for m in scan.shards_meta],
+        dropped=scan.dropped,
         **{k: v for k, v in counts.items() if k != "num_docs"},
     )
 

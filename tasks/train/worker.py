@@ -308,7 +308,32 @@ def fault_hook(run_dir: Path, env: DistEnv):
     return maybe_crash
 
 
-def train(run_dir: Path) -> None:
+@dataclass
+class Run:
+    """A training run as built from its folder by `build_run`: what `train`'s loop steps, checkpoints and logs."""
+
+    run_dir: Path
+    config: cfg.TrainConfig
+    env: DistEnv
+    plan: object  # `PlanArrays`
+    lm: torch.nn.Module  # the Hugging Face model, whose weights are checkpointed and exported
+    model: torch.nn.Module  # the training module (`CausalLMLoss`), sharded or on one device
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    model_state: object
+    progress: Progress
+    checkpointer: Checkpointer
+    metrics: MetricsLogger
+    prefetch: Prefetch
+    optim_c: cfg.OptimConfig
+    total_steps: int
+    tokenizer_path: str | None
+
+
+def build_run(run_dir: Path) -> Run:
+    """Everything before the first step: the process group, plan and data, the model (with LoRA, compiled layers and
+    activation checkpointing as configured), its parallel form and optimizer, the schedule, a restored checkpoint,
+    and the metrics logger."""
     config = cfg.read_run_json(run_dir)
     env = init_distributed(config.device)
     if config.num_threads is not None and env.device.type == "cpu":
@@ -386,99 +411,110 @@ def train(run_dir: Path) -> None:
             + (f", activation checkpointing {checkpointing}" if checkpointing != "off" else ""),
             flush=True,
         )
-
-    nonfinite_in_a_row = 0
-    maybe_crash = fault_hook(run_dir, env)
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
-    prefetch = Prefetch(batches, plan, total_steps, stage=stage)
-    for step in range(progress.step, total_steps):
+    return Run(
+        run_dir=Path(run_dir), config=config, env=env, plan=plan, lm=lm, model=model, optimizer=optimizer,
+        scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
+        prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
+        tokenizer_path=tokenizer_path,
+    )  # fmt: skip
+
+
+def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None:
+    """Train optimizer step `step` (0-based); None for a step without trained tokens, which every rank skips
+    together (they all read the same plan) after one all-reduce that keeps them in step."""
+    if step_loss_tokens == 0:
+        dist.all_reduce(torch.zeros(4, dtype=torch.float64, device=run.env.device))
+        return None
+    save_grads = None
+    if step + 1 in run.config.save_grads_at_steps:
+        grads_path = run.run_dir / "debug" / f"grads-step-{step + 1}.safetensors"
+        save_grads = partial(save_full_grads, run.lm, run.optimizer, grads_path, run.env)
+    return train_step(
+        run.model,
+        run.optimizer,
+        run.prefetch.take(step),
+        step_loss_tokens,
+        run.optim_c.grad_clip,
+        run.env.device,
+        save_grads,
+        host_work=partial(run.prefetch.collate, step + 1),
+    )
+
+
+def train(run_dir: Path) -> None:
+    run = build_run(run_dir)
+    plan, progress, config = run.plan, run.progress, run.config
+    nonfinite_in_a_row = 0
+    maybe_crash = fault_hook(run_dir, run.env)
+    for step in range(progress.step, run.total_steps):
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
-        skipped = None
-        loss = grad_norm_value = None
-        if step_loss_tokens == 0:
-            # Every rank reads the same plan, so all skip together; the all-reduce keeps the ranks in step.
-            skipped = "no trained tokens in this step"
-            totals = torch.zeros(4, dtype=torch.float64, device=env.device)
-            dist.all_reduce(totals)
-            loss_sum, targets, tokens, sum_sq = totals.tolist()
-        else:
-            save_grads = None
-            if step + 1 in config.save_grads_at_steps:
-                grads_path = Path(run_dir) / "debug" / f"grads-step-{step + 1}.safetensors"
-                save_grads = partial(save_full_grads, lm, optimizer, grads_path, env)
-            result = train_step(
-                model,
-                optimizer,
-                prefetch.take(step),
-                step_loss_tokens,
-                optim_c.grad_clip,
-                env.device,
-                save_grads,
-                host_work=partial(prefetch.collate, step + 1),
-            )
-            loss_sum, targets, tokens = result.loss_sum, result.targets, result.tokens
-            sum_sq, grad_norm_value = result.sum_sq_doc_lengths, result.grad_norm
-            if math.isfinite(grad_norm_value):
-                nonfinite_in_a_row = 0
-            else:
-                skipped = f"non-finite gradient norm {grad_norm_value}"  # the fused AdamW skipped the update
-                nonfinite_in_a_row += 1
-                if nonfinite_in_a_row > optim_c.max_nonfinite_steps:
-                    raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
-        if step_loss_tokens and int(targets) != step_loss_tokens:
+        totals = step_totals(run, step, step_loss_tokens)
+        skipped = "no trained tokens in this step" if totals is None else None
+        if totals is not None and totals.targets != step_loss_tokens:
             raise ValueError(
                 f"{plan_path(config.plan)}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
-                f"{int(targets)}; the plan was made for different data"
+                f"{totals.targets}; the plan was made for different data"
             )
-        if step_loss_tokens:
-            loss = loss_sum / step_loss_tokens
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        progress.step = step + 1
-        progress.epoch = int(plan.epoch_of_step[step])
-        progress.tokens_seen += int(tokens)
+        if totals is not None and not math.isfinite(totals.grad_norm):
+            skipped = f"non-finite gradient norm {totals.grad_norm}"  # the fused AdamW skipped the update
+            nonfinite_in_a_row += 1
+            if nonfinite_in_a_row > run.optim_c.max_nonfinite_steps:
+                raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
+        elif totals is not None:
+            nonfinite_in_a_row = 0
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        tokens = totals.tokens if totals is not None else 0
+        progress.step, progress.epoch = step + 1, int(plan.epoch_of_step[step])
+        progress.tokens_seen += tokens
         progress.trained_tokens_seen += step_loss_tokens
-        metrics.log(
+        run.metrics.log(
             step=progress.step,
             epoch=progress.epoch,
-            loss=loss,
-            grad_norm=grad_norm_value,
+            loss=totals.loss_sum / step_loss_tokens if totals is not None else None,
+            grad_norm=totals.grad_norm if totals is not None else None,
             lr=lr,
             trained_tokens=step_loss_tokens,
-            tokens=int(tokens),
-            sum_sq_doc_lengths=sum_sq,
+            tokens=tokens,
+            sum_sq_doc_lengths=totals.sum_sq_doc_lengths if totals is not None else 0.0,
             seconds=time.perf_counter() - t0,
             skipped=skipped,
-            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if env.device.type == "cuda" else None,
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if run.env.device.type == "cuda" else None,
         )
-        if checkpointer.due(progress.step):
-            checkpointer.save(progress.step)
+        if run.checkpointer.due(progress.step):
+            run.checkpointer.save(progress.step)
         maybe_crash(progress.step)
-
-    if checkpointer.last_saved_step != progress.step:
-        checkpointer.save(progress.step)
+    if run.checkpointer.last_saved_step != progress.step:
+        run.checkpointer.save(progress.step)
     if config.export:
-        state_dict = model_state.full_state_dict()
-        if env.is_main:
-            out = Path(run_dir) / "hf"
-            if config.lora is not None:
-                merged = export_adapter(state_dict, lm.config, config.lora, config.model, out)
-                if tokenizer_path is not None:
-                    from transformers import AutoTokenizer
-
-                    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out / "adapter")
-                state_dict = merged.state_dict() if config.lora.merge else None
-            if state_dict is not None:
-                export_hf(
-                    state_dict, lm.config, out, tokenizer=tokenizer_path, dtype=config.export_dtype,
-                    source=config.model, chat_template=config.chat_template,
-                )  # fmt: skip
-            print(f"[train] exported {out}", flush=True)
-        dist.barrier()
-    if env.device.type == "cuda" and env.is_main:
+        export_run(run)
+    if run.env.device.type == "cuda" and run.env.is_main:
         print(f"[train] peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
     dist.destroy_process_group()
+
+
+def export_run(run: Run) -> None:
+    """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 from the gathered weights."""
+    config = run.config
+    state_dict = run.model_state.full_state_dict()
+    if run.env.is_main:
+        out = run.run_dir / "hf"
+        if config.lora is not None:
+            merged = export_adapter(state_dict, run.lm.config, config.lora, config.model, out)
+            if run.tokenizer_path is not None:
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(run.tokenizer_path).save_pretrained(out / "adapter")
+            state_dict = merged.state_dict() if config.lora.merge else None
+        if state_dict is not None:
+            export_hf(
+                state_dict, run.lm.config, out, tokenizer=run.tokenizer_path, dtype=config.export_dtype,
+                source=config.model, chat_template=config.chat_template,
+            )  # fmt: skip
+        print(f"[train] exported {out}", flush=True)
+    dist.barrier()
 
 
 USER_ERROR = "worker-error.txt"
