@@ -4,7 +4,8 @@
 
 A Llama-shaped random-init model (8 layers, hidden 1024, 16 heads / 8 KV heads, vocab 32k), bf16 compute with fp32
 master weights, mock documents (lognormal lengths, median 600), packed rows of 16,384 tokens per rank. The first
-launch is killed after step 20 (`SFTFLOW_FAULT`: one worker SIGKILLs itself; the checkpoint of step 20 is written);
+launch is killed after step 20 (`SFTFLOW_TEST_CRASH` with the test suite's `tests/crash_shim` on PYTHONPATH: one
+worker SIGKILLs itself; the checkpoint of step 20 is written);
 the second launch resumes from `latest` and finishes. Prints tokens/s (median of the steps after warm-up), the
 worker's MFU estimate and peak memory, and checks that every step is logged once and the export reloads.
 """
@@ -89,14 +90,18 @@ def main() -> None:
     )
     print(f"[smoke] plan: {arrays.num_steps} steps, packing efficiency {stats.efficiency:.3f}", flush=True)
 
-    os.environ["SFTFLOW_FAULT"] = f"crash_after_step={args.crash_after}"
+    saved = dict(os.environ)
+    os.environ["SFTFLOW_TEST_CRASH"] = f"crash_after_step={args.crash_after}"
+    shim = str(Path(__file__).resolve().parents[1] / "tests" / "crash_shim")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     try:
         train(config)
         crashed = False
     except TrainingFailed:
         crashed = True
-    del os.environ["SFTFLOW_FAULT"]
+    os.environ.clear()
+    os.environ.update(saved)
     t1 = time.perf_counter()
     result = train(config, resume=True)
     t2 = time.perf_counter()

@@ -114,6 +114,7 @@ PRESETS = {
     ),
 }
 PAD_ID = 0
+CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
 MODES = ("A", "B", "C", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp")
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
@@ -864,9 +865,10 @@ def gpu_check(
     model: str = "small",
 ) -> dict:
     """Train a small real-shaped Llama (8 layers, hidden 1024, vocab 32k; bf16 on CUDA) with `sftflow`'s worker
-    under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the worker's fault hook), then a
-    `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of this function only).
-    `model="llama1b"`: the throughput benchmark's 1B model instead, one uninterrupted run (for 1 vs 2 GPU scaling)."""
+    under torchrun: a checkpoint every 10 steps, a SIGKILL after step `crash_after` (the test suite's crash hook,
+    `tests/crash_shim`), then a `--resume` run to `steps`. `device="cpu"` shrinks everything (a plumbing check of
+    this function only). `model="llama1b"`: the throughput benchmark's 1B model instead, one uninterrupted run (for
+    1 vs 2 GPU scaling)."""
     from transformers import LlamaConfig
 
     from sftflow.tasks.plan import PlanConfig, plan, save_plan
@@ -934,9 +936,10 @@ def gpu_check(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "sftflow.tasks.train.worker", str(run_dir)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("SFTFLOW_FAULT", None)
-        if fault:
-            env["SFTFLOW_FAULT"] = fault
+        env.pop("SFTFLOW_TEST_CRASH", None)
+        if fault:  # the test suite's crash hook (tests/crash_shim), loaded by the workers at start-up
+            env["SFTFLOW_TEST_CRASH"] = fault
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CRASH_SHIM), env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
         out = proc.stdout + proc.stderr

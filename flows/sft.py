@@ -43,7 +43,6 @@ def sft(
     max_steps: int | None = None,
     epochs: int | None = None,
     force: list[str] | None = None,
-    fault: str | None = None,
     promote: bool = False,
 ) -> SFTResult:
     """Conversations + base model → fine-tuned, evaluated checkpoint.
@@ -51,8 +50,7 @@ def sft(
     `config_path` (YAML) or `config` (inline) is the whole configuration; `learning_rate`, `max_steps` and `epochs`
     override it (flat, so `prefect deployment run sft/full -p learning_rate=1e-5` works). `force` lists stages to
     recompute. `promote` ends with the promotion gate (`sft-promote`): the new model replaces the registry's
-    champion only if it beats it on the same eval documents. `fault` is a test hook that makes the training worker
-    fail (see `sftflow.tasks.train.worker`).
+    champion only if it beats it on the same eval documents.
     """
     force = list(force or [])
     unknown = sorted(set(force) - set(STAGES))
@@ -62,7 +60,7 @@ def sft(
     with work_dir_lock(Path(cfg.work_dir).resolve()):
         data = sft_data(config=cfg, force="data" in force)
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
-        trained = sft_train(config=cfg, force="train" in force, fault=fault, data=data, plan=plan)
+        trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
         promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
     result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion)

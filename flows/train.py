@@ -24,14 +24,10 @@ def sft_train(
     learning_rate: float | None = None,
     max_steps: int | None = None,
     force: bool = False,
-    fault: str | None = None,
     data: DataResult | None = None,
     plan: PlanManifest | None = None,
 ) -> TrainResult:
-    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages.
-
-    `fault` is a test hook passed to the worker (`SFTFLOW_FAULT`), e.g. `crash_after_step=6`.
-    """
+    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages."""
     cfg = resolve_config(config_path, config, learning_rate=learning_rate, max_steps=max_steps)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work, cfg.train.node_rank):
@@ -40,7 +36,7 @@ def sft_train(
         task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
         options = cfg.train.model_dump(mode="json", exclude={"node_rank"}) | {"chat_template": data.chat_template}
         tok, node_rank = data.tokenizer, cfg.train.node_rank
-        result = task(data.index, plan, tok.path, tok.sha256, options, str(work), fault=fault, node_rank=node_rank)
+        result = task(data.index, plan, tok.path, tok.sha256, options, str(work), node_rank=node_rank)
         write_stage_result(work, "train", result)
         return result
 

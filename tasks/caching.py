@@ -56,7 +56,7 @@ def stage_key(stage: str, version: str, entries: tuple[str, ...], inputs: dict[s
 
 # Parameters that change how a task runs but not what it produces. `node_rank` differs between the nodes of one
 # multi-node training run, which must share one run folder.
-_NOT_KEYED = {"fault", "timeout_s", "node_rank"}
+_NOT_KEYED = {"timeout_s", "node_rank"}
 
 
 def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:

@@ -163,17 +163,6 @@ def training_template(config: RenderConfig, tokenizer: TokenizerRef, work_dir: P
     return sha, str(path)
 
 
-def _inject_fault(stage: str) -> None:
-    """Test hook: `SFTFLOW_INJECT_FAULT=<stage>:<marker>` raises one transient OSError, then never again."""
-    spec = os.environ.get("SFTFLOW_INJECT_FAULT", "")
-    if not spec.startswith(stage + ":"):
-        return
-    marker = Path(spec.split(":", 1)[1])
-    if not marker.exists():
-        marker.write_text("fired")
-        raise OSError(f"injected transient I/O error in {stage}")
-
-
 # The four data stages share this module (their tasks), so each key covers all of data preparation's code.
 _ENTRIES = (__name__,)
 RENDER_CACHE = StageCache(stage="render", version="1", entries=_ENTRIES)
@@ -189,7 +178,6 @@ def render_task(
     inputs = dict(source=source, tokenizer=tokenizer, template_sha=template_sha, config=config, work_dir=work_dir)
     out_dir = RENDER_CACHE.output_dir(inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _inject_fault("render")
     template = resolve_template(config, tokenizer.path)
     record_config = config
     if source.range is not None and config.format == "auto":
@@ -227,7 +215,6 @@ def spans_task(rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansCo
     rendered.verify()
     out_dir = SPANS_CACHE.output_dir(dict(rendered=rendered, tokenizer=tokenizer, config=config, work_dir=work_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    _inject_fault("spans")
     stats = tokenize_rendered_shard(rendered.path, tokenizer.path, config, out_dir / "tokenized.npz")
     manifest = TokenizedShard(
         path=stats.out_path,
@@ -259,7 +246,6 @@ def pbin_task(tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: Tok
     inputs = dict(tokenized=tokenized, rendered=rendered, tokenizer=tokenizer, work_dir=work_dir)
     out_dir = PBIN_CACHE.output_dir(inputs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _inject_fault("pbin")
     provenance = {
         "source_sha256": rendered.source_sha256,
         "template_sha256": rendered.template_sha256,
@@ -280,7 +266,6 @@ def index_task(shards: list[PbinShard], config: IndexConfig, work_dir: str) -> D
     for shard in shards:
         shard.verify()
     out_dir = INDEX_CACHE.output_dir(dict(shards=shards, config=config, work_dir=work_dir))
-    _inject_fault("index")
     info = build_index(
         [s.path for s in shards],
         out_dir,

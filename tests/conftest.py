@@ -9,6 +9,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+CRASH_SHIM = REPO_ROOT / "tests" / "crash_shim"  # a sitecustomize that makes training workers crash on request
 
 # A small corpus covering ASCII, digits, punctuation, JSON-ish tool calls and multi-byte Unicode, so the tiny BPE
 # produces multi-character tokens and multi-token characters alike.
@@ -91,3 +92,29 @@ class HostReads:
 def host_reads():
     """`with host_reads() as reads: ...`, then `reads` lists the host reads of tensor values made inside."""
     return HostReads
+
+
+def crash_env(spec: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) for child processes whose training workers crash as `spec` says
+    (`crash_after_step=N[,rank=R][,lr=X]`; see `tests/crash_shim/sitecustomize.py`)."""
+    env = dict(os.environ if env is None else env)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(CRASH_SHIM) + (os.pathsep + path if path else "")
+    env["SFTFLOW_TEST_CRASH"] = spec
+    return env
+
+
+@pytest.fixture
+def inject_crash(monkeypatch):
+    """`inject_crash("crash_after_step=3")`: training workers started after this call crash so, once per run
+    folder; `inject_crash(None)` stops it."""
+
+    def inject(spec: str | None) -> None:
+        if spec is None:
+            monkeypatch.delenv("SFTFLOW_TEST_CRASH", raising=False)
+            return
+        for key, value in crash_env(spec).items():
+            if os.environ.get(key) != value:
+                monkeypatch.setenv(key, value)
+
+    return inject

@@ -2,13 +2,12 @@
 
 The run folder is named by a content key over the dataset index, the plan, the tokenizer, the training options and
 the training code, so changing only the learning rate starts a new run while an unchanged rerun is Cached. A run that
-stopped part-way (crash, kill, injected fault) is not valid output yet; the next attempt, whether a Prefect retry or a
+stopped part-way (crash, kill) is not valid output yet; the next attempt, whether a Prefect retry or a
 fresh flow run, resumes it from its `latest` checkpoint.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prefect import task
@@ -44,7 +43,6 @@ def train_stage_task(
     tokenizer_sha256: str,
     options: dict,
     work_dir: str,
-    fault: str | None = None,
     node_rank: int = 0,
 ) -> TrainResult:
     index.verify()
@@ -68,17 +66,7 @@ def train_stage_task(
         out=str(run_dir),
     )
     resume = latest_checkpoint(run_dir / "checkpoints") is not None
-    previous = os.environ.get("SFTFLOW_FAULT")
-    if fault:
-        os.environ["SFTFLOW_FAULT"] = fault  # read by the worker; test-only
-    try:
-        result = train(config, resume=resume)
-    finally:
-        if fault:
-            if previous is None:
-                os.environ.pop("SFTFLOW_FAULT", None)
-            else:
-                os.environ["SFTFLOW_FAULT"] = previous
+    result = train(config, resume=resume)
     write_checksums(run_dir, include=_CHECKED)
     return result
 

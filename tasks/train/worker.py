@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -287,27 +286,6 @@ def save_full_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
         save_file(grads, str(path))
 
 
-def fault_hook(run_dir: Path, env: DistEnv):
-    """Test hook: `SFTFLOW_FAULT=crash_after_step=N[,rank=R]` SIGKILLs rank R (default: the last) right after step N
-    (and its checkpoint, if one is due), once per run: the marker `RUN_DIR/fault-fired` stops a resumed attempt
-    from crashing again."""
-    spec = os.environ.get("SFTFLOW_FAULT")
-    if not spec:
-        return lambda step: None
-    fields = dict(item.split("=", 1) for item in spec.split(","))
-    if set(fields) - {"crash_after_step", "rank"} or "crash_after_step" not in fields:
-        raise ValueError(f"SFTFLOW_FAULT={spec!r}: expected crash_after_step=N[,rank=R]")
-    crash_step, crash_rank = int(fields["crash_after_step"]), int(fields.get("rank", env.world_size - 1))
-    marker = run_dir / "fault-fired"
-
-    def maybe_crash(step: int) -> None:
-        if step == crash_step and env.rank == crash_rank and not marker.exists():
-            marker.write_text(f"rank {env.rank} killed itself after step {step}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return maybe_crash
-
-
 @dataclass
 class Run:
     """A training run as built from its folder by `build_run`: what `train`'s loop steps, checkpoints and logs."""
@@ -446,7 +424,6 @@ def train(run_dir: Path) -> None:
     run = build_run(run_dir)
     plan, progress, config = run.plan, run.progress, run.config
     nonfinite_in_a_row = 0
-    maybe_crash = fault_hook(run_dir, run.env)
     for step in range(progress.step, run.total_steps):
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
@@ -485,7 +462,6 @@ def train(run_dir: Path) -> None:
         )
         if run.checkpointer.due(progress.step):
             run.checkpointer.save(progress.step)
-        maybe_crash(progress.step)
     if run.checkpointer.last_saved_step != progress.step:
         run.checkpointer.save(progress.step)
     if config.export:

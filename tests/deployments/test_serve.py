@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import crash_env
+
 REPO = Path(__file__).resolve().parents[2]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 PROMOTE = ("sft/promote", "sft-promote/gate")
@@ -121,7 +123,8 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
             }
         )
     )
-    serve_env = dict(env, SFTFLOW_CONFIG=str(config))
+    # The run with learning rate 7e-4 below crashes after step 3, once (tests/crash_shim); the others do not.
+    serve_env = crash_env("crash_after_step=3,lr=0.0007", dict(env, SFTFLOW_CONFIG=str(config)))
     serve_log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
         [sys.executable, str(REPO / "deployments" / "serve.py")],
@@ -157,7 +160,7 @@ def test_serve_and_run_deployments(prefect_server, tmp_path):
 
         # A run whose training crashes fails; `prefect flow-run retry` reruns it and training resumes from its last
         # checkpoint (the fault fires once per run folder), without redoing data or plan.
-        started = prefect("deployment", "run", "sft/full", "-p", "fault=crash_after_step=3", "-p", "learning_rate=7e-4")
+        started = prefect("deployment", "run", "sft/full", "-p", "learning_rate=7e-4")
         assert started.returncode == 0, started.stdout + started.stderr
         flow_run_id = re.search(UUID, started.stdout).group(0)
         assert _final_state(prefect, flow_run_id) == "FAILED"

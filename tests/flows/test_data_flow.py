@@ -74,8 +74,18 @@ def test_corrupted_output_is_recomputed_not_trusted(demo, tmp_path):
 
 
 def test_transient_io_error_is_retried(demo, tmp_path, monkeypatch):
+    from sftflow.tasks import data_stages
+
     marker = tmp_path / "fault-fired"
-    monkeypatch.setenv("SFTFLOW_INJECT_FAULT", f"spans:{marker}")
+    tokenize = data_stages.tokenize_rendered_shard
+
+    def fails_once(*args, **kwargs):
+        if not marker.exists():
+            marker.write_text("fired")
+            raise OSError("injected transient I/O error in spans")
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(data_stages, "tokenize_rendered_shard", fails_once)
     config = DataConfig(sources=[str(demo["data"])], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
     state = sft_data(config=SFTConfig(work_dir=str(tmp_path / "work"), data=config), return_state=True)
     assert state.is_completed()

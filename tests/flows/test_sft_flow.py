@@ -109,11 +109,13 @@ def test_learning_rate_change_reruns_only_train_and_eval(first_run):
     assert state.result().train.run_dir != first.result().train.run_dir
 
 
-def test_failed_training_resumes_on_a_fresh_run_without_redoing_data_or_plan(first_run, caplog):
+def test_failed_training_resumes_on_a_fresh_run_without_redoing_data_or_plan(first_run, caplog, inject_crash):
     work, _, _ = first_run
     config = _config(work, seed=7).model_copy(update={"train_retries": 0})
+    inject_crash("crash_after_step=3")
     with RecordedTaskRuns() as runs:
-        failed = sft(config=config, fault="crash_after_step=3", return_state=True)
+        failed = sft(config=config, return_state=True)
+    inject_crash(None)
     assert failed.is_failed()
     states = runs.states()
     assert states["train"] == ["Failed"]

@@ -33,7 +33,7 @@ def _train_flow():
 
 
 def test_killed_worker_is_retried_and_resumes_bit_identically(
-    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, monkeypatch
+    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, inject_crash
 ):
     config, _, arrays = planned_mock(
         tmp_path,
@@ -48,7 +48,7 @@ def test_killed_worker_is_retried_and_resumes_bit_identically(
     train(config)
 
     crashed = tmp_path / "crashed"
-    monkeypatch.setenv("SFTFLOW_FAULT", "crash_after_step=6")  # rank 1 SIGKILLs itself after step 6, once
+    inject_crash("crash_after_step=6")  # rank 1 SIGKILLs itself after step 6, once
     state = _train_flow()(config.model_copy(update={"out": str(crashed)}), return_state=True)
 
     assert state.is_completed(), state

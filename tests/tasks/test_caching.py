@@ -18,7 +18,7 @@ def _shard(sha: str) -> PbinShard:
 def test_key_follows_content_not_run_details():
     base = {"shard": _shard("a" * 64), "config": {"lr": 1e-3}, "work_dir": "w"}
     key = stage_key("train", "1", ENTRIES, base)
-    assert key == stage_key("train", "1", ENTRIES, {**base, "fault": "crash_after_step=3", "node_rank": 1})
+    assert key == stage_key("train", "1", ENTRIES, {**base, "timeout_s": 60, "node_rank": 1})
     assert key != stage_key("train", "1", ENTRIES, {**base, "shard": _shard("b" * 64)})
     assert key != stage_key("train", "1", ENTRIES, {**base, "config": {"lr": 2e-3}})
     assert key != stage_key("train", "2", ENTRIES, base)  # a format version bump
