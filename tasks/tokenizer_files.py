@@ -9,7 +9,7 @@ template list in the config) are loaded through transformers as before, so the r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # The attributes transformers' `special_tokens_map` reports, in its order.
@@ -19,15 +19,22 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
 @dataclass(frozen=True)
 class TokenizerFiles:
     """The part of a Hugging Face tokenizer's interface that template resolution reads (`special_tokens_map`,
-    `chat_template`, `get_vocab`), from files."""
+    `chat_template`, `get_vocab`), from files. The vocabulary is parsed from `tokenizer.json` only when asked for:
+    resolving a template needs the small config files alone."""
 
     path: Path
     special_tokens_map: dict[str, str]
     chat_template: str | None
-    _vocab: dict[str, int] = field(repr=False)
 
     def get_vocab(self) -> dict[str, int]:
-        return dict(self._vocab)
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(self.path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+        # transformers adds a configured special token that the vocabulary lacks when it loads the tokenizer (the id
+        # given here is a placeholder: only membership is read)
+        for text in self.special_tokens_map.values():
+            vocab.setdefault(text, len(vocab))
+        return vocab
 
 
 def _token_text(value) -> str | None:
@@ -66,16 +73,7 @@ def read_tokenizer_files(folder: str | Path) -> TokenizerFiles | None:
             text = _token_text(config.get(key))
         if text is not None:
             special[key] = text
-    from tokenizers import Tokenizer
-
-    try:
-        vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
-    except Exception:  # noqa: BLE001 - a tokenizer.json the Rust library rejects: transformers explains it better
-        return None
-    # transformers adds a configured special token that the vocabulary lacks when it loads the tokenizer
-    for text in special.values():
-        vocab.setdefault(text, len(vocab))
-    return TokenizerFiles(path=folder, special_tokens_map=special, chat_template=template or None, _vocab=vocab)
+    return TokenizerFiles(path=folder, special_tokens_map=special, chat_template=template or None)
 
 
 def load_tokenizer_files(folder: str | Path):
