@@ -44,27 +44,15 @@ from sftflow.tasks.template_limits import (
 
 log = logging.getLogger(__name__)
 
-BUILTIN_TEMPLATES = (
-    "chatml",
-    "llama3",
-    "llama3_1",
-    "qwen2_5",
-    "qwen3",
-    "gemma",
-    "gemma3",
-    "phi3",
-    "phi4",
-    "zephyr",
-    "mistral",
-)
 # The special tokens each built-in template writes, which a tokenizer must know as single tokens for the text to
-# tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies).
+# tokenize as the format's own models see it (Zephyr's role cues are plain text in its models' vocabularies). The
+# order is the order `template: auto` tries them in.
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
-    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
-    "qwen3": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "llama3_1": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
+    "qwen3": ("<|im_start|>", "<|im_end|>"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
     "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
@@ -72,6 +60,7 @@ TEMPLATE_TOKENS = {
     "zephyr": (),
     "mistral": (),  # [INST] is a control token in v3 vocabularies, plain text in older ones
 }
+BUILTIN_TEMPLATES = tuple(TEMPLATE_TOKENS)
 _GENERATION_TAG_RE = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Generation markers of any render; `_strip_markers` keeps only those carrying this render's nonce. One pattern for
 # all renders: compiling one per render (per nonce) was a third of the render stage's time.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -161,16 +163,27 @@ def _tokenizer_with(template_text: str, special: dict[str, str]):
     return types.SimpleNamespace(chat_template=template_text, special_tokens_map=special)
 
 
+_GENERATION_TAGS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+
+
+def _auto_pick(stock_text: str, special: dict[str, str]) -> str:
+    """The name of the built-in template `auto` picks for a tokenizer whose own template is `stock_text`."""
+    return load_template("auto", _tokenizer_with(stock_text, special), tokenizer_name="some/model").name
+
+
+def _untagged(name: str) -> str:
+    """A built-in template without its generation tags: what the family's tokenizer ships."""
+    return _GENERATION_TAGS.sub("", builtin_template_text(name))
+
+
 @pytest.mark.parametrize("official", sorted(OFFICIAL))
 def test_auto_picks_the_tagged_template_that_renders_what_the_official_one_renders(official, shared_data):
-    import re
-
     from sftflow.tasks.template_match import PROBES
 
     expected, special = OFFICIAL[official]
     # TRL's training copies of Gemma's and Phi-3's templates are the stock ones plus generation tags: without the
     # tags, they are what those tokenizers ship.
-    text = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", (shared_data / "templates" / official).read_text())
+    text = _GENERATION_TAGS.sub("", (shared_data / "templates" / official).read_text())
     picked = load_template("auto", _tokenizer_with(text, special), tokenizer_name="some/model")
     assert picked.name == f"{expected} (auto: matches some/model's chat_template)"
     stock = ChatTemplate(text, special)
@@ -313,18 +326,12 @@ def test_qwen3_template_renders_history_as_qwen3_does(case):
 
 def test_auto_tells_qwen3_from_qwen2_5_and_chatml():
     """A Qwen3-style tokenizer template (the tagged one with its tags removed) is matched by `qwen3` alone."""
-    import re
-
-    stock = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", builtin_template_text("qwen3"))
-    picked = load_template("auto", _tokenizer_with(stock, {"eos_token": "<|im_end|>"}), tokenizer_name="Qwen/Qwen3")
-    assert picked.name.startswith("qwen3 (auto:")
+    assert _auto_pick(_untagged("qwen3"), {"eos_token": "<|im_end|>"}).startswith("qwen3 (auto:")
 
 
 def test_gemma3_template_folds_the_system_message_into_the_first_user_turn():
     """Expected text: what Hugging Face's `apply_chat_template` renders with Gemma 3's own template. Gemma 1/2's
     template refuses a system message, so `auto` tells the two apart."""
-    import re
-
     special = {"bos_token": "<bos>", "eos_token": "<eos>"}
     template = load_template("gemma3", _tokenizer_with("", special))
     messages = [
@@ -342,18 +349,13 @@ def test_gemma3_template_folds_the_system_message_into_the_first_user_turn():
     assert [text[a:b] for a, b in spans] == ["b<end_of_turn>\n", "d<end_of_turn>\n"]
     with pytest.raises(TemplateError, match="alternate"):
         template.render([{"role": "assistant", "content": "x"}])
-    untag = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
     for name in ("gemma", "gemma3"):
-        stock = untag.sub("", builtin_template_text(name))
-        picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="google/gemma")
-        assert picked.name.startswith(f"{name} (auto:")
+        assert _auto_pick(_untagged(name), special).startswith(f"{name} (auto:")
 
 
 def test_llama3_1_template_writes_the_date_preamble_and_tools_in_the_first_user_turn():
     """Expected text: what Hugging Face's `apply_chat_template` renders with Llama 3.1's own template (its fixed
     date, tools in the first user turn, one JSON call per turn, tool output JSON-encoded)."""
-    import re
-
     special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     template = load_template("llama3_1", _tokenizer_with("", special))
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
@@ -390,18 +392,13 @@ def test_llama3_1_template_writes_the_date_preamble_and_tools_in_the_first_user_
     )
     with pytest.raises(TemplateError, match="single tool-calls"):
         template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": []}])
-    untag = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
     for name in ("llama3", "llama3_1"):
-        stock = untag.sub("", builtin_template_text(name))
-        picked = load_template("auto", _tokenizer_with(stock, special), tokenizer_name="meta-llama/Llama")
-        assert picked.name.startswith(f"{name} (auto:")
+        assert _auto_pick(_untagged(name), special).startswith(f"{name} (auto:")
 
 
 def test_phi4_template_renders_turns_without_newlines_and_refuses_tool_calls():
     """Expected text: what Hugging Face's `apply_chat_template` renders with Phi-4's own template, which drops tool
     calls and tool turns; the tagged copy refuses them instead of training a turn without its call."""
-    import re
-
     template = load_template("phi4", _tokenizer_with("", {"eos_token": "<|im_end|>"}))
     messages = [
         {"role": "system", "content": " s "},
@@ -420,6 +417,4 @@ def test_phi4_template_renders_turns_without_newlines_and_refuses_tool_calls():
     call = {"type": "function", "function": {"name": "f", "arguments": {}}}
     with pytest.raises(TemplateError, match="no tool calls"):
         template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
-    stock = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", builtin_template_text("phi4"))
-    picked = load_template("auto", _tokenizer_with(stock, {}), tokenizer_name="microsoft/phi-4")
-    assert picked.name.startswith("phi4 (auto:")
+    assert _auto_pick(_untagged("phi4"), {}).startswith("phi4 (auto:")
