@@ -72,33 +72,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+LLAMA1B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+)
 PRESETS = {
-    "llama1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-    ),
+    "llama1b": LLAMA1B,
     # Llama-3.1-8B's shape (untied head; the llama3 RoPE scaling left out: it changes no cost)
     "llama8b": dict(
+        LLAMA1B,
         hidden_size=4096,
         num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
         head_dim=128,
         intermediate_size=14336,
-        vocab_size=128256,
         tie_word_embeddings=False,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
     ),
     "tiny": dict(
         hidden_size=64,
