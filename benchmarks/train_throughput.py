@@ -21,6 +21,10 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **B** (best assembly of libraries): the same packed rows as D, torch `varlen_attn` registered as a transformers
   attention function, Liger's fused linear cross-entropy (sum / trained tokens).
 - **C**: B plus `torch.compile(dynamic=True)` of each decoder layer's forward (regional compilation).
+- **Cl** / **Cn** (the one-GPU peers, as their users run them: no FSDP, the plain fp32 model under bf16 autocast,
+  torch `varlen_attn`, torch's fused AdamW): Cl with Liger's full Llama kernel set (`apply_liger_kernel_to_llama`:
+  RoPE, RMSNorm, SwiGLU and the fused linear CE), eager (torch 2.11's dynamo fails on Liger's RMSNorm function under
+  autocast); Cn with Liger's fused linear CE and compiled decoder layers.
 - **Cac**: C plus transformers' gradient checkpointing on every decoder layer (`gradient_checkpointing_enable`,
   non-reentrant), how its users fit long rows or big models.
 - **D** (sftflow): the worker's own step, imported, not copied: `build_model`, the worker's default `compile="auto"`
@@ -96,6 +100,9 @@ PRESETS = {
         intermediate_size=14336,
         tie_word_embeddings=False,
     ),
+    # The 1B shape as Mistral (sliding-window attention on every layer): with `--sliding-window 0` the same model
+    # with full attention, for what a window saves in training.
+    "mistral1b": dict(LLAMA1B, model_type="mistral", sliding_window=4096),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -111,7 +118,7 @@ PRESETS = {
 }
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
-MODES = ("A", "B", "C", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp")
+MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp")
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
@@ -137,10 +144,17 @@ def init_single_process(device: str):
     return init_distributed(device)
 
 
-def llama_config(preset: str):
-    from transformers import LlamaConfig
+def llama_config(preset: str, sliding_window: int | None = None):
+    """The preset's config; `sliding_window` (0 for none) overrides a windowed preset's window."""
+    from transformers import AutoConfig
 
-    return LlamaConfig(**PRESETS[preset])
+    fields = dict(PRESETS[preset])
+    model_type = fields.pop("model_type", "llama")
+    if sliding_window is not None:
+        if "sliding_window" not in fields:
+            raise ValueError(f"--sliding-window: preset {preset} has no sliding-window attention")
+        fields["sliding_window"] = sliding_window or None
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def make_data(args, vocab_size: int, rows_needed: int):
@@ -290,6 +304,11 @@ def register_baseline_attention(device: torch.device) -> str:
         cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
         # squeeze, as sftflow's attention function does (a select's backward copies each gradient into zeros)
         q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+        if torch.is_autocast_enabled("cuda"):
+            # RoPE's fp32 cos/sin promote q and k under autocast; a custom op is not autocast, so cast as HF's own
+            # flash-attention path does
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (x.to(dtype) for x in (q, k, v))
         extra = dict(causal)
         if gqa:
             extra["enable_gqa"] = True
@@ -561,6 +580,71 @@ class Bench:
             "what": f"{attention}, {root.loss_name}"
             + (", compiled layers (dynamic)" if compiled else "")
             + (", gradient checkpointing (every layer)" if checkpointing else "")
+        }
+        result = self.timed(name, step, warmup, args.steps, extra)
+        if compiled:
+            result["dynamo"] = dynamo_stats()
+        return result
+
+    # -- Cl: the one-GPU peer with Liger's full kernel set ---------------------------------------------------------
+    def mode_one_gpu_peer(self, liger_all: bool, compiled: bool) -> dict:
+        name = "Cl" if liger_all else "Cn"
+        if self.device.type != "cuda":
+            raise ValueError(f"mode {name} needs CUDA (Liger's kernels)")
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
+
+        args = self.args
+        warmup = args.compile_warmup if compiled else args.warmup
+        rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
+        attention = register_baseline_attention(self.device)
+        # Liger patches the modeling module's classes and functions; they are restored afterwards so that the other
+        # modes of this process build the stock modules.
+        patched = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+        saved = {attr: getattr(modeling_llama, attr) for attr in patched}
+        try:
+            if liger_all:
+                apply_liger_kernel_to_llama(
+                    rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+                )
+            lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
+        finally:
+            for attr, value in saved.items():
+                setattr(modeling_llama, attr, value)
+        self.set_shape(lm)
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers(lm)
+        model = LigerRoot(lm, self.device)
+        c = self.optim_c
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True
+        )
+        scheduler = self.scheduler(optimizer)
+        device = self.device
+
+        def step(i):
+            b = rows[i]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss_sum = model(
+                    input_ids=b["input_ids"].to(device, non_blocking=True),
+                    position_ids=b["position_ids"].to(device, non_blocking=True),
+                    labels=b["labels"].to(device, non_blocking=True),
+                    cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
+                    max_seqlen=int(b["max_seqlen"]),
+                )
+            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            return batch_tokens(b)
+
+        kernels = "Liger RoPE/RMSNorm/SwiGLU + " if liger_all else ""
+        extra = {
+            "what": f"no FSDP, fp32 weights + bf16 autocast, {kernels}{model.loss_name}, {attention}, "
+            + ("compiled layers (dynamic), " if compiled else "eager, ")
+            + "torch fused AdamW"
         }
         result = self.timed(name, step, warmup, args.steps, extra)
         if compiled:
@@ -869,7 +953,7 @@ def gpu_check(
 
     from sftflow.tasks.plan import PlanConfig, plan, save_plan
     from sftflow.tasks.train.config import TrainConfig, write_run_json
-    from sftflow.tasks.train.mock import MockConfig, MockDataset
+    from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
 
     work.mkdir(parents=True, exist_ok=True)
     small = device == "cpu"
@@ -909,7 +993,7 @@ def gpu_check(
         ).to_json_file(str(model_json))
     run_dir = work / "run"
     config = TrainConfig(
-        mock=mock,
+        data=str(write_mock_index(mock, work / "data")),
         plan=str(work / "plan"),
         model=str(model_json),
         out=str(run_dir),
@@ -1031,6 +1115,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="D,B,A,C,De", help=f"comma-separated subset of {','.join(MODES)}, in order")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--sliding-window", type=int, default=None, help="window of a windowed preset (0: full attention)")
     p.add_argument("--row-tokens", type=int, default=16384)
     p.add_argument("--padded-batch", type=int, default=8)
     p.add_argument("--median-length", type=int, default=600)
@@ -1100,7 +1185,7 @@ def main(argv=None) -> dict:
     env = init_single_process(args.device)
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    lm_config = llama_config(args.preset)
+    lm_config = llama_config(args.preset, args.sliding_window)
     rows_needed = max(args.warmup, args.compile_warmup) + args.steps + args.breakdown_steps + args.profile_steps
     dataset, plan_arrays, stats = make_data(args, lm_config.vocab_size, rows_needed)
     report["data"] = {
@@ -1119,6 +1204,8 @@ def main(argv=None) -> dict:
             "A": bench.mode_a,
             "B": partial(bench.mode_bc, compiled=False),
             "C": partial(bench.mode_bc, compiled=True),
+            "Cl": partial(bench.mode_one_gpu_peer, liger_all=True, compiled=False),
+            "Cn": partial(bench.mode_one_gpu_peer, liger_all=False, compiled=True),
             "Cac": partial(bench.mode_bc, compiled=True, checkpointing=True),
             "D": partial(bench.mode_d, "D", out),
             "De": partial(bench.mode_d, "De", out, compile_mode="off"),
