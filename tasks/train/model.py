@@ -119,8 +119,10 @@ def preflight(
 ) -> None:
     """The model checks the worker makes, run before launching it: from the config alone (no weights are read), so a
     model the worker would refuse fails here with one located line instead of after torchrun has started."""
-    # A preset's vocabulary comes from the data inside the worker; its structure is all that is checked here.
-    config = model_config(spec, vocab_size=1 if spec in PRESETS else None, overrides=overrides)
+    # A preset's vocabulary comes from the data inside the worker; its structure is all that is checked here. The
+    # stand-in vocabulary must hold the config's BOS/EOS ids, or transformers prints a warning on every launch.
+    stand_in = max(vocab_size or 0, 256) if spec in PRESETS else None
+    config = model_config(spec, vocab_size=stand_in, overrides=overrides)
     check_config(config, packed=packed, spec=spec)
     if lora is not None and spec not in PRESETS and vocab_size is not None and vocab_size > config.vocab_size:
         # Grown rows start at the mean embedding; with the embeddings and head frozen they would stay there, and
