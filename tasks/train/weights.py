@@ -8,13 +8,32 @@ scale) are not in checkpoints; they are computed on the CPU by the model's own `
 to the parameter's dtype as they are copied in. Peak host memory is one tensor's slice, in the checkpoint's dtype;
 tied weights stay one parameter (they are tied on the meta model and FSDP keeps them so).
 
-Checkpoints whose tensor names differ from the model's (transformers renames or fuses some on load, e.g. the
-experts of Qwen3-MoE) or that are not safetensors are loaded by `from_pretrained` instead, whole, on every rank
-(`shard_loadable` says which).
+Some models hold tensors under other names than their checkpoints: transformers 5 renames some on load and fuses
+others, e.g. Qwen3-MoE's experts, one `(num_experts, 2 * moe_intermediate_size, hidden_size)` parameter
+`mlp.experts.gate_up_proj` in the model against `mlp.experts.{e}.gate_proj.weight` and `...up_proj.weight` per expert
+in hub checkpoints (and in what `save_pretrained` writes, which undoes the fusion). Which checkpoint tensors make
+which parameter, and how, is read from transformers' own conversion table for the model
+(`transformers.conversion_mapping`), the one `from_pretrained` applies: a renaming is read like any tensor, and a
+fusion that stacks one tensor per expert (`MergeModulelist(dim=0)`, then optionally `Concatenate` of the parts, gate
+before up) is read expert by expert, only this rank's experts (FSDP2 shards the stacked parameter on its expert
+dimension), each copied into its place in the parameter: peak host memory is one expert's tensor. A checkpoint
+already fused (the model's own names) is read as it is.
+
+```
+checkpoint (per expert)                   model parameter, this rank's rows (experts 2..3 of 4)
+mlp.experts.2.gate_proj.weight (I, H) ─▶ gate_up_proj[0, :I]     down_proj[0] ◀─ mlp.experts.2.down_proj.weight (H, I)
+mlp.experts.2.up_proj.weight   (I, H) ─▶ gate_up_proj[0, I:]
+mlp.experts.3.gate_proj.weight (I, H) ─▶ gate_up_proj[1, :I]     down_proj[1] ◀─ mlp.experts.3.down_proj.weight
+mlp.experts.3.up_proj.weight   (I, H) ─▶ gate_up_proj[1, I:]
+```
+
+Checkpoints with a tensor no conversion accounts for, or with conversions other than these (transposes, permutes),
+or not in safetensors, are loaded by `from_pretrained` instead, whole, on every rank (`shard_loadable` says which).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -62,9 +81,88 @@ def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@dataclass(frozen=True)
+class StackedExperts:
+    """A parameter transformers stacks on load from one checkpoint tensor per expert: expert `e` of the parameter is
+    `parts[0][e]`, `parts[1][e]`, ... (checkpoint names, e.g. gate then up) concatenated along `dim` of the
+    expert's tensor."""
+
+    parts: tuple[tuple[str, ...], ...]
+    dim: int
+
+
+Source = str | StackedExperts  # a checkpoint tensor's name, or the per-expert tensors stacked into the parameter
+
+
+def _checkpoint_tensor_names(model: nn.Module) -> list[str]:
+    """The names under which a base checkpoint would hold `model`'s tensors (LoRA's `base_layer` removed, its
+    adapters left out: no base checkpoint holds them)."""
+    return [checkpoint_name(name) for name in _state_tensors(model) if not is_adapter(name)]
+
+
+def _stacking_dim(converter) -> int | None:
+    """The dim of an expert's tensor along which `converter` concatenates its parts, if it only stacks one tensor
+    per expert and concatenates the parts (None for any other conversion)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = converter.operations
+    if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        return None
+    if len(ops) == 1:
+        return 0 if len(converter.source_patterns) == 1 else None
+    if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1:
+        return ops[1].dim - 1  # of the stacked tensor, whose dim 0 is the expert
+    return None
+
+
+def _converted_sources(model: nn.Module, files: CheckpointFiles, wanted: set[str]) -> dict[str, Source]:
+    """Where the checkpoint holds each of the `wanted` tensors under transformers' load-time conversions for `model`
+    (renamings, and experts stacked into one parameter), for those the conversions account for."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, dot_natural_key
+    except ImportError:  # transformers 4 converts nothing on load: its models name tensors as checkpoints do
+        return {}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamed: dict[str, list[str]] = {}
+    stacked: dict[str, tuple[object, dict[str, list[str]]]] = {}
+    # In dot-natural order (expert 10 after expert 9), the order in which `from_pretrained` stacks them.
+    for key in sorted(files.files, key=dot_natural_key):
+        target = apply_renamings(key, renamings)
+        for converter in converters:  # at most one converter applies to a key, as in `from_pretrained`
+            converted, pattern = converter.rename_source_key(target)
+            if pattern is not None:
+                if converted in wanted:
+                    stacked.setdefault(converted, (converter, {}))[1].setdefault(pattern, []).append(key)
+                break
+        else:
+            if target in wanted:
+                renamed.setdefault(target, []).append(key)
+    sources: dict[str, Source] = {target: keys[0] for target, keys in renamed.items() if len(keys) == 1}
+    for target, (converter, by_pattern) in stacked.items():
+        dim = _stacking_dim(converter)
+        if dim is not None and set(by_pattern) == set(converter.source_patterns):
+            sources[target] = StackedExperts(tuple(tuple(by_pattern[p]) for p in converter.source_patterns), dim)
+    return sources
+
+
+def checkpoint_sources(model: nn.Module, files: CheckpointFiles) -> tuple[dict[str, Source], list[str]]:
+    """Where the checkpoint holds each of `model`'s tensors (by checkpoint name), and the sorted names of those it
+    holds nowhere that sftflow can read by slices."""
+    wanted = _checkpoint_tensor_names(model)
+    sources: dict[str, Source] = {name: name for name in wanted if name in files.files}
+    missing = {name for name in wanted if name not in sources}
+    if missing:
+        sources.update(_converted_sources(model, files, missing))
+    return sources, sorted(missing - set(sources))
+
+
 def shard_loadable(model: nn.Module, files: CheckpointFiles) -> list[str]:
-    """The names of `model`'s tensors the checkpoint does not hold under the same name (empty: loadable by slices)."""
-    return sorted(set(_state_tensors(model)) - set(files.files))
+    """The names of `model`'s tensors the checkpoint does not hold in a form read by slices (empty: loadable by
+    slices, directly or through `checkpoint_sources`' conversions)."""
+    return checkpoint_sources(model, files)[1]
 
 
 def meta_model(config, attn_implementation: str) -> nn.Module:
@@ -166,28 +264,87 @@ def materialize(
             local.copy_(initial_adapter(name, tensor.shape, seed)[rows[0] : rows[1]])
     if files is None:
         return
-    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    sources, missing = checkpoint_sources(model, files)
+    if missing:
+        raise ValueError(f"{files.folder}: the checkpoint holds no tensor for {missing[:3]} (of {len(missing)})")
+    by_file: dict[Path, list[tuple[str, torch.Tensor, Source]]] = {}
     for name, tensor in tensors.items():
         if not is_adapter(name):
-            by_file.setdefault(files.files[checkpoint_name(name)], []).append((name, tensor))
+            source = sources[checkpoint_name(name)]
+            first = source if isinstance(source, str) else source.parts[0][0]
+            by_file.setdefault(files.files[first], []).append((name, tensor, source))
     for path, pending in by_file.items():
         with safe_open(path, framework="pt") as f:
-            for name, tensor in pending:
+            for name, tensor, source in pending:
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 rows = _rows(tensor)
-                stored = f.get_slice(checkpoint_name(name)).get_shape()
+                if isinstance(source, StackedExperts):
+                    _copy_experts(files, name, source, rows or (0, tensor.shape[0]), tensor.shape[0], local)
+                    continue
+                stored = f.get_slice(source).get_shape()
                 if stored[0] < tensor.shape[0] and list(stored[1:]) == list(tensor.shape[1:]):
-                    value = _grown_rows(f, checkpoint_name(name), rows or (0, tensor.shape[0]))
+                    value = _grown_rows(f, source, rows or (0, tensor.shape[0]))
                 elif rows is None:
-                    value = f.get_tensor(checkpoint_name(name))
+                    value = f.get_tensor(source)
                 elif rows[1] > rows[0]:
-                    value = f.get_slice(checkpoint_name(name))[rows[0] : rows[1]]
+                    value = f.get_slice(source)[rows[0] : rows[1]]
                 else:
                     continue  # a rank past the end of a short tensor holds no rows of it
-                if tuple(value.shape) != tuple(local.shape):
-                    raise ValueError(
-                        f"{path}: tensor {name} has shape {tuple(value.shape)} for this rank, the model expects "
-                        f"{tuple(local.shape)}; the checkpoint does not match its config.json"
-                    )
+                _check_shape(path, name, value, local)
                 local.copy_(value)  # converted on the way (on the GPU, for a GPU parameter): no fp32 copy on the host
     log.info("loaded %d tensors from %s (this rank's rows of each)", sum(map(len, by_file.values())), files.folder)
+
+
+def _check_shape(path: Path, name: str, value: torch.Tensor, local: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(local.shape):
+        raise ValueError(
+            f"{path}: tensor {name} has shape {tuple(value.shape)} for this rank, the model expects "
+            f"{tuple(local.shape)}; the checkpoint does not match its config.json"
+        )
+
+
+def _copy_experts(
+    files: CheckpointFiles,
+    name: str,
+    source: StackedExperts,
+    rows: tuple[int, int],
+    num_experts: int,
+    local: torch.Tensor,
+) -> None:
+    """Fill `local`, experts [start, stop) of the stacked parameter `name`, from the checkpoint's per-expert
+    tensors, one tensor at a time, each copied into its place (converted to the parameter's dtype on the way)."""
+    from safetensors import safe_open
+
+    for names in source.parts:
+        if len(names) != num_experts:
+            raise ValueError(
+                f"{files.folder}: {name} stacks one tensor per expert, and the checkpoint has {len(names)} tensors "
+                f"like {names[0]} where the model has {num_experts} experts; the checkpoint does not match its "
+                "config.json"
+            )
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def stored(key: str):
+            path = files.files[key]
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return opened[path]
+
+        for row, expert in enumerate(range(*rows)):
+            keys = [names[expert] for names in source.parts]
+            shapes = [stored(key).get_slice(key).get_shape() for key in keys]
+            whole = [*shapes[0][: source.dim], sum(s[source.dim] for s in shapes), *shapes[0][source.dim + 1 :]]
+            if whole != list(local.shape[1:]):
+                raise ValueError(
+                    f"{files.folder}: {' + '.join(f'{k} {tuple(s)}' for k, s in zip(keys, shapes, strict=True))} "
+                    f"concatenated on dim {source.dim} make a {tuple(whole)} expert of {name}, the model expects "
+                    f"{tuple(local.shape[1:])}; the checkpoint does not match its config.json"
+                )
+            offset = 0
+            for key, shape in zip(keys, shapes, strict=True):
+                place = local[row].narrow(source.dim, offset, shape[source.dim])
+                value = stored(key).get_tensor(key)
+                _check_shape(files.files[key], key, value, place)
+                place.copy_(value)
+                offset += shape[source.dim]
