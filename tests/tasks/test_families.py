@@ -148,9 +148,23 @@ def test_models_that_cannot_be_reproduced_are_refused_with_the_feature_and_the_w
         check_config(config, packed=False, spec="some/gpt2")  # the model's own attention: nothing to refuse
 
 
-@pytest.mark.parametrize("name", ["llama3_untied", "gemma3", "qwen2_5"])
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_every_family_is_read_shard_by_shard_not_loaded_whole(name, tmp_path):
+    """Each family's checkpoint, as `save_pretrained` writes it (Qwen3-MoE: one tensor per expert), is built on the
+    meta device and read by slices: `build_training_model` does not fall back to `from_pretrained` on every rank."""
+    from sftflow.tasks.train.model import build_training_model
+    from sftflow.tasks.train.weights import shard_loadable
+
+    folder = save_family_model(name, VOCAB, tmp_path / name)
+    lm, files = build_training_model(str(folder), vocab_size=VOCAB, packed=True)
+    assert files is not None and all(p.is_meta for p in lm.parameters())
+    assert shard_loadable(lm, files) == []
+
+
+@pytest.mark.parametrize("name", ["llama3_untied", "gemma3", "qwen2_5", "qwen3_moe"])
 def test_a_checkpoint_read_onto_a_meta_model_equals_from_pretrained(name, tmp_path):
-    """Parameters from the safetensors files, buffers from the model's own initialisation, tied heads still tied."""
+    """Parameters from the safetensors files (Qwen3-MoE's experts stacked into its fused parameters), buffers from the
+    model's own initialisation, tied heads still tied."""
     from transformers import AutoModelForCausalLM
 
     from sftflow.tasks.train.model import build_training_model
@@ -172,9 +186,9 @@ def test_a_checkpoint_read_onto_a_meta_model_equals_from_pretrained(name, tmp_pa
 
 
 # Through torchrun for the families whose structure touches sharding and loading most: per-layer windows and tied
-# heads (Gemma 3, Qwen2.5), fused projections (Phi-3), MoE experts loaded whole (Qwen3-MoE), layers without RoPE
-# (SmolLM3). Every family's packed loss is checked in one process above; tests/flows/test_sft_flow.py trains Qwen3
-# from a folder through the whole pipeline. (Each torchrun case costs ~20 s of CI on 2 cores.)
+# heads (Gemma 3, Qwen2.5), fused projections (Phi-3), MoE experts stacked from per-expert tensors (Qwen3-MoE), layers
+# without RoPE (SmolLM3). Every family's packed loss is checked in one process above; tests/flows/test_sft_flow.py
+# trains Qwen3 from a folder through the whole pipeline. (Each torchrun case costs ~20 s of CI on 2 cores.)
 TORCHRUN_FAMILIES = ["gemma3", "qwen2_5", "phi3", "qwen3_moe", "smollm3"]
 
 
