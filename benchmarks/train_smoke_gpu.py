@@ -39,7 +39,7 @@ def main() -> None:
     from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import TrainingFailed, train
     from sftflow.tasks.train.metrics import read_metrics
-    from sftflow.tasks.train.mock import MockConfig, MockDataset
+    from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
 
     work = args.work / f"nproc{args.nproc}"
     shutil.rmtree(work, ignore_errors=True)
@@ -75,7 +75,7 @@ def main() -> None:
         tie_word_embeddings=False,
     ).to_json_file(str(work / "model.json"))
     config = TrainConfig(
-        mock=mock,
+        data=str(write_mock_index(mock, work / "data")),
         plan=str(work / "plan"),
         model=str(work / "model.json"),
         out=str(work / "run"),

@@ -408,7 +408,7 @@ class Bench:
         from sftflow.tasks.train import config as cfg
 
         self.on_oom = None
-        self.train_config = cfg.TrainConfig(mock=dataset.config, plan="unused", model="unused", out="unused")
+        self.train_config = cfg.TrainConfig(data="unused", plan="unused", model="unused", out="unused")
         self.optim_c = cfg.optim_config(self.train_config)
 
     def build_lm(self, attn: str, packed_worker: bool) -> nn.Module:

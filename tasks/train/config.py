@@ -15,7 +15,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.train.mock import MockConfig
 
 RUN_FORMAT_VERSION = 1
 # Everything a checkpoint holds; `init_from` may load any subset.
@@ -55,9 +54,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # inputs
-    data: str | None = Field(None, description="dataset index folder (sft-data output); or use `mock`")
+    data: str = Field(description="dataset index folder (sft-data output, or `mock.write_mock_index`)")
     data_split: str = "train"
-    mock: MockConfig | None = Field(None, description="synthetic documents instead of `data` (benchmarks, tests)")
     plan: str = Field(description="folder holding plan.npz (sft-plan output)")
     model: str = Field(description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'")
     model_overrides: dict[str, int | float | str | bool] = Field(
@@ -152,8 +150,6 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        if (self.data is None) == (self.mock is None):
-            raise ValueError("give exactly one data source: `data` (a dataset index folder) or `mock`")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
         if self.parallel == "single" and self.nproc * self.nnodes > 1:

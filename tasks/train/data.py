@@ -48,23 +48,16 @@ def plan_row(plan: PlanArrays, step: int, micro_batch: int, plan_rank: int) -> n
     return plan.doc_ids[plan.row_ptr[row] : plan.row_ptr[row + 1]]
 
 
-def open_dataset(data: str | None, split: str, mock):
-    """The document source: a dataset index folder, or a mock (`MockConfig`)."""
-    if mock is not None:
-        from sftflow.tasks.train.mock import MockDataset
-
-        return MockDataset(mock)
+def open_dataset(data: str | Path, split: str):
+    """The document source: one split of a dataset index folder."""
     from sftflow.tasks.reader import IndexedDataset
 
     return IndexedDataset(data, split=split)
 
 
 def dataset_vocab_size(dataset) -> int | None:
-    for owner in (dataset, getattr(dataset, "config", None)):
-        value = getattr(owner, "vocab_size", None)
-        if value is not None:
-            return int(value)
-    return None
+    value = getattr(dataset, "vocab_size", None)
+    return None if value is None else int(value)
 
 
 class RankBatches:

@@ -71,7 +71,7 @@ def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
 
 
 def input_manifests(config: TrainConfig) -> dict:
-    """What the run was made from: the plan file's hash and arrays' sizes, the data index's manifest or mock config."""
+    """What the run was made from: the plan file's hash and arrays' sizes, and the data index's manifest."""
     plan = load_plan(config.plan)
     path = plan_path(config.plan)
     manifests = {
@@ -84,14 +84,11 @@ def input_manifests(config: TrainConfig) -> dict:
             "mode": plan.mode,
         }
     }
-    if config.data is not None:
-        index_json = Path(config.data) / "index.json"
-        manifests["data"] = {
-            "path": config.data,
-            "index_sha256": sha256_file(index_json) if index_json.is_file() else None,
-        }
-    else:
-        manifests["data"] = {"mock": config.mock.model_dump(mode="json")}
+    index_json = Path(config.data) / "index.json"
+    manifests["data"] = {
+        "path": config.data,
+        "index_sha256": sha256_file(index_json) if index_json.is_file() else None,
+    }
     return manifests
 
 
@@ -234,16 +231,13 @@ def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
 
 def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     plan = load_plan(config.plan)
-    if config.data is not None:
-        from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.reader import IndexedDataset
 
-        # Training reads what the index recorded, or nothing: every index array and shard is checked against the
-        # index's sha256s here, once per node, before any worker starts (one read of the data).
-        checked = IndexedDataset(config.data, split=config.data_split, verify=True)
-        vocab_size = checked.vocab_size
-        checked.reader.close()
-    else:
-        vocab_size = config.mock.vocab_size if config.mock is not None else None
+    # Training reads what the index recorded, or nothing: every index array and shard is checked against the
+    # index's sha256s here, once per node, before any worker starts (one read of the data).
+    checked = IndexedDataset(config.data, split=config.data_split, verify=True)
+    vocab_size = checked.vocab_size
+    checked.reader.close()
     # torch and transformers: only once a run is launched
     from sftflow.tasks.train.checkpoint import checkpoint_to_load
     from sftflow.tasks.train.checksums import verify_checksums

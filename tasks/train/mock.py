@@ -1,9 +1,13 @@
 """A mock document source: random-token documents with configured lengths, so training and benchmarks run without I/O.
 
 `MockDataset` has the interface of the dataset index reader (`sftflow.tasks.reader.IndexedDataset`): `len()`,
-`lengths`, `loss_token_counts` and `ds[i] -> (ids, loss_spans)`. Lengths and span parameters for all documents are
-drawn once, vectorised (a few bytes per document); the tokens of document `i` are derived from `(seed, i)` on
-access, so reading a document is O(its length) and independent of every other document.
+`lengths`, `loss_token_counts` and `ds[i] -> (ids, loss_spans)`. Training does not read it directly: benchmarks and
+tests write it out with `write_mock_index` as a real dataset index folder, which `TrainConfig.data` names like any
+other data, so the production config and the worker know one data source only.
+
+Lengths and span parameters for all documents are drawn once, vectorised (a few bytes per document); the tokens of
+document `i` are derived from `(seed, i)` on access, so reading a document is O(its length) and independent of every
+other document.
 
 Loss spans are off by default: each document is then one span `[0, L)`, i.e. every token is trained. With
 `loss_spans=True` a document is cut into 1..`max_spans` equal "turns" and the trailing 20-80% of each turn is trained,
@@ -16,6 +20,7 @@ which is never a target (nothing precedes it in its document). This equals what 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -118,3 +123,24 @@ class MockDataset:
         starts, ends = _span_bounds(self.lengths[one], self._num_spans[one], self._fractions[one], cfg.max_spans)
         keep = ends[0] > starts[0]
         return ids, np.stack([starts[0][keep], ends[0][keep]], axis=1).astype(np.int32)
+
+
+def write_mock_index(config: MockConfig, folder: str | Path) -> Path:
+    """`config`'s documents as a dataset index folder (`folder/index.json`, one shard in `folder/shard.pbin`).
+
+    Nothing is filtered, deduplicated or held out, so item `i` of the index's train split is `MockDataset(config)[i]`
+    and a plan made from `MockDataset(config)` trains on it unchanged. Needs numpy only (no prefect, no torch), so the
+    GPU benchmarks can call it.
+    """
+    from sftflow.tasks.index import build_index
+    from sftflow.tasks.pbin import write_pbin
+    from sftflow.tasks.records import TokenizedDoc
+
+    dataset = MockDataset(config)
+    docs = [TokenizedDoc(*dataset[i], source=f"mock:{i}") for i in range(len(dataset))]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    provenance = {"mock": config.model_dump_json()}
+    write_pbin(folder / "shard.pbin", docs, vocab_size=config.vocab_size, provenance=provenance)
+    build_index([folder / "shard.pbin"], folder, dedup=False, eval_fraction=0.0)
+    return folder

@@ -319,7 +319,7 @@ def build_run(run_dir: Path) -> Run:
     torch.manual_seed(config.seed)
 
     plan = load_plan(config.plan)
-    dataset = open_dataset(config.data, config.data_split, config.mock)
+    dataset = open_dataset(config.data, config.data_split)
     tokenizer_path = tokenizer_source(config.model, config.tokenizer)
     vocab_size, pad_id = dataset_vocab_size(dataset), 0
     if tokenizer_path is not None:

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from sftflow.tasks.train.collate import collate, packed_collator, trainable_target_count
-from sftflow.tasks.train.mock import MockConfig, MockDataset, sample_lengths
+from sftflow.tasks.train.mock import MockConfig, MockDataset, sample_lengths, write_mock_index
 
 
 def test_lognormal_lengths_clipped_and_near_median():
@@ -71,6 +71,26 @@ def test_collated_loss_tokens_equal_counts():
     ds = MockDataset(MockConfig(num_docs=12, vocab_size=100, median_length=30, loss_spans=True, seed=5))
     out = collate([ds[i] for i in range(12)], packed_collator())
     assert out["num_loss_tokens"] == int(ds.loss_token_counts.sum())
+
+
+@pytest.mark.parametrize("loss_spans", [False, True])
+def test_written_index_reads_back_as_the_mock(tmp_path, loss_spans):
+    """Training reads mock data through the dataset index: every document, in order, with its spans and counts, even
+    duplicates and documents whose only trained token is their first (nothing filtered, nothing held out)."""
+    from sftflow.tasks.pbin import spans_to_mask
+    from sftflow.tasks.reader import IndexedDataset
+
+    cfg = MockConfig(num_docs=300, vocab_size=50, median_length=3, min_length=1, max_length=9, loss_spans=loss_spans)
+    mock = MockDataset(cfg)
+    data = IndexedDataset(write_mock_index(cfg, tmp_path / "data"), verify=True)
+    assert len(data) == len(mock) and data.vocab_size == 50
+    np.testing.assert_array_equal(data.lengths, mock.lengths)
+    np.testing.assert_array_equal(data.trainable_target_counts(), mock.loss_token_counts)
+    for i in range(len(mock)):
+        (want_ids, want_spans), (ids, spans) = mock[i], data[i]
+        np.testing.assert_array_equal(ids, want_ids)
+        # Touching spans are merged in the shard: the same trained tokens.
+        np.testing.assert_array_equal(spans_to_mask(spans, len(ids)), spans_to_mask(want_spans, len(ids)))
 
 
 def test_out_of_range_and_bad_config():

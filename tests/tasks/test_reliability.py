@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_helpers import losses, planned_mock, run  # noqa: E402
+from train_helpers import losses, mock_config, planned_mock, run  # noqa: E402
 
 from sftflow.tasks.atomic import atomic_writer, write_atomic  # noqa: E402
 from sftflow.tasks.caching import outputs_valid, retry_on_io_error, write_checksums  # noqa: E402
@@ -29,6 +29,7 @@ from sftflow.tasks.records import TokenizedDoc  # noqa: E402
 from sftflow.tasks.train.checkpoint import prune_checkpoints  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import train  # noqa: E402
+from sftflow.tasks.train.mock import write_mock_index  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -277,6 +278,7 @@ def test_bad_input_found_inside_a_worker_is_one_located_error_not_a_traceback(ba
     """Data that does not match its plan is found by the workers at the first step; the launcher reports the
     worker's one line as a `ValueError` (the CLI's exit 2, no Prefect retry) instead of torchrun's traceback."""
     root, config = base
-    other_data = config.mock.model_copy(update={"seed": 5})
+    vocab_size = IndexedDataset(config.data).vocab_size
+    other_data = write_mock_index(mock_config(vocab_size, seed=5), root / "other-data")
     with pytest.raises(ValueError, match=r"plan.npz: step 0 plans \d+ trained tokens but its batches hold \d+"):
-        run(config, root / "mismatch", max_steps=2, mock=other_data)
+        run(config, root / "mismatch", max_steps=2, data=str(other_data))

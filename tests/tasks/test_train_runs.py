@@ -35,7 +35,7 @@ from train_helpers import (  # noqa: E402
 from sftflow.tasks.plan import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import train  # noqa: E402
-from sftflow.tasks.train.mock import MockDataset  # noqa: E402
+from sftflow.tasks.train.mock import MockDataset, write_mock_index  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -232,7 +232,7 @@ def test_all_masked_micro_batch_and_zero_token_step(tmp_path, tiny_tokenizer, ti
     ]
     write_plan(tmp_path / "plan", dataset, steps, num_ranks=2)
     config = TrainConfig(
-        mock=mock,
+        data=str(write_mock_index(mock, tmp_path / "data")),
         plan=str(tmp_path / "plan"),
         model="tiny-llama",
         tokenizer=str(tiny_tokenizer_dir),

@@ -11,7 +11,7 @@ import torch
 from sftflow.tasks.plan import PlanArrays, PlanConfig, plan, save_plan
 from sftflow.tasks.train.config import TrainConfig
 from sftflow.tasks.train.launch import TrainResult, train
-from sftflow.tasks.train.mock import MockConfig, MockDataset
+from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
 
 
 def mock_config(vocab_size: int, **overrides) -> MockConfig:
@@ -66,7 +66,8 @@ def write_plan(path: Path, dataset: MockDataset, steps: list[list[list[int]]], n
 def planned_mock(
     root: Path, vocab_size: int, tokenizer_dir: Path, plan_config: PlanConfig, mock: dict | None = None, **train_fields
 ) -> tuple[TrainConfig, MockDataset, PlanArrays]:
-    """Mock documents, the real planner's plan of them in `root/plan`, and a tiny-Llama `TrainConfig` on both.
+    """Mock documents written as a dataset index in `root/data`, the real planner's plan of them in `root/plan`, and a
+    tiny-Llama `TrainConfig` on both.
 
     Defaults shared by the training tests: lr 1e-2 (a tiny model visibly learns in a few steps), seed 0, one CPU
     thread per process (the same float summation order whatever the launch shape), the CPU (gloo) even where a GPU
@@ -74,11 +75,12 @@ def planned_mock(
     """
     config = mock_config(vocab_size, **(mock or {}))
     dataset = MockDataset(config)
+    write_mock_index(config, root / "data")
     arrays, _ = plan(dataset.lengths, dataset.loss_token_counts, plan_config)
     (root / "plan").mkdir(parents=True, exist_ok=True)
     save_plan(arrays, root / "plan" / "plan.npz")
     fields = dict(
-        mock=config,
+        data=str(root / "data"),
         plan=str(root / "plan"),
         model="tiny-llama",
         tokenizer=str(tokenizer_dir),
