@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import secrets
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,12 +52,15 @@ TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "llama3_1": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "llama3_2": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "qwen2_5": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>"),
+    "smollm3": ("<|im_start|>", "<|im_end|>"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
     "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     "phi4": ("<|im_start|>", "<|im_sep|>", "<|im_end|>"),
+    "phi4_mini": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"),
     "zephyr": (),
     "mistral": (),  # [INST] is a control token in v3 vocabularies, plain text in older ones
 }
@@ -134,8 +138,25 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# The instant `strftime_now` formats: the wall clock, as in Hugging Face, unless `fixed_clock` holds one. Templates
+# that write the day (Llama 3.2, SmolLM3) render differently from one day to the next, so `template: auto` compares
+# its probes at one instant, and tests name the day they expect.
+_CLOCK: ContextVar[datetime | None] = ContextVar("sftflow_template_clock", default=None)
+
+
 def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
+    return (_CLOCK.get() or datetime.now()).strftime(fmt)
+
+
+@contextmanager
+def fixed_clock(instant: datetime | None = None):
+    """Renders inside read `instant` through `strftime_now` instead of the wall clock; without one, the instant the
+    clock shows on entry (an enclosing `fixed_clock`'s, else now)."""
+    token = _CLOCK.set(instant or _CLOCK.get() or datetime.now())
+    try:
+        yield
+    finally:
+        _CLOCK.reset(token)
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -268,9 +289,8 @@ def builtin_template_text(name: str) -> str:
 
 
 def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the tokenizer") -> ChatTemplate:
-    """Resolve a template: `None`/"tokenizer" (the tokenizer's `chat_template`), "auto" (the tokenizer's if it has
-    generation tags, else the shipped tagged template that renders the same text: `sftflow.tasks.template_match`), a
-    built-in name, or a `.jinja` path.
+    """Resolve a template: `None`/"tokenizer" (the tokenizer's `chat_template`), "auto" (see `_auto`), a built-in
+    name, or a `.jinja` path.
 
     `tokenizer` (a Hugging Face tokenizer) supplies the special tokens the template may use, and the template itself
     for `None` and "auto".
@@ -285,9 +305,7 @@ def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the t
                 f"({'/'.join(BUILTIN_TEMPLATES)}) or a .jinja file"
             )
         own = ChatTemplate(text, special, name="tokenizer.chat_template")
-        if spec != "auto" or own.has_generation_tag:
-            return own
-        return _matching_builtin(own, special, tokenizer_name)
+        return own if spec != "auto" else _auto(own, special, tokenizer_name)
     if spec in BUILTIN_TEMPLATES:
         return ChatTemplate(builtin_template_text(spec), special, name=spec, writes_tokens=TEMPLATE_TOKENS[spec])
     path = Path(spec)
@@ -300,18 +318,33 @@ def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the t
     )
 
 
-def _matching_builtin(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> ChatTemplate:
-    from sftflow.tasks.template_match import renders_alike
+def _auto(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> ChatTemplate:
+    """`template: auto`: the built-in tagged template that renders what the tokenizer's template renders
+    (`sftflow.tasks.template_match`). A tokenizer template with generation tags of its own is kept, unless its tags
+    cover more than the matching built-in's (SmolLM3 ships tags around the role cue and the newline after each
+    answer): sftflow does not train role cues, and `template: tokenizer` keeps the tokenizer's tags as they are."""
+    from sftflow.tasks.template_match import renders_alike, tags_cover_more
 
-    for name in BUILTIN_TEMPLATES:
-        candidate = ChatTemplate(builtin_template_text(name), special, name=name)
-        if renders_alike(own, candidate):
-            log.info("template auto: %s renders what the chat_template of %s renders; using it", name, tokenizer_name)
-            candidate.name = f"{name} (auto: matches {tokenizer_name}'s chat_template)"
-            return candidate
-    raise ValueError(
-        f"template auto: the chat_template of {tokenizer_name} has no {{% generation %}} tags and renders like none "
-        f"of sftflow's tagged templates ({'/'.join(BUILTIN_TEMPLATES)}); either give a copy of it with "
-        "{% generation %}...{% endgeneration %} around each assistant turn (render.template: my.jinja), or set "
-        "render.mask_policy: roles to train the assistant turns found by rendering prefixes"
-    )
+    # No `writes_tokens`: the text is the tokenizer's own template's, so its tokens are the tokenizer's already.
+    candidates = (ChatTemplate(builtin_template_text(n), special, name=n) for n in BUILTIN_TEMPLATES)
+    match = next((t for t in candidates if renders_alike(own, t)), None)
+    if own.has_generation_tag and (match is None or not tags_cover_more(own, match)):
+        return own
+    if match is None:
+        raise ValueError(
+            f"template auto: the chat_template of {tokenizer_name} has no {{% generation %}} tags and renders like "
+            f"none of sftflow's tagged templates ({'/'.join(BUILTIN_TEMPLATES)}); either give a copy of it with "
+            "{% generation %}...{% endgeneration %} around each assistant turn (render.template: my.jinja), or set "
+            "render.mask_policy: roles to train the assistant turns found by rendering prefixes"
+        )
+    if own.has_generation_tag:
+        log.info(
+            "template auto: the generation tags in %s's chat_template also cover role cues; using %s, which renders "
+            "the same text and trains only the answers (template: tokenizer keeps the tokenizer's tags)",
+            tokenizer_name,
+            match.name,
+        )
+    else:
+        log.info("template auto: %s renders what the chat_template of %s renders; using it", match.name, tokenizer_name)
+    match.name = f"{match.name} (auto: matches {tokenizer_name}'s chat_template)"
+    return match
