@@ -1,25 +1,26 @@
 """`SFTConfig`: the one typed parameter of the `sft` flow, loadable from YAML.
 
-Sections mirror the stages. `train` holds every `TrainConfig` field except the wiring that the flow fills in
-(data, plan, out, tokenizer, mock), so there is one source of truth for training options.
+Sections mirror the stages. `train` is `TrainOptions`, the model `TrainConfig` extends with the wiring the flow fills
+in (data, plan, out, tokenizer), so there is one source of truth for training options and their defaults.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sftflow.tasks.data_stages import IndexConfig
 from sftflow.tasks.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.plan import PlanConfig
 from sftflow.tasks.render import RenderConfig
 from sftflow.tasks.spans import SpansConfig
-from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.config import TrainOptions
 
 
 class DataConfig(BaseModel):
@@ -50,19 +51,6 @@ class DataConfig(BaseModel):
         return self
 
 
-_WIRED = {"data", "data_split", "plan", "out", "tokenizer", "chat_template", "mock"}
-
-# TrainSection: TrainConfig's fields minus the wired ones, same types, defaults and validation messages.
-TrainSection = create_model(
-    "TrainSection",
-    __config__=ConfigDict(frozen=True, extra="forbid"),
-    **{name: (field.annotation, field) for name, field in TrainConfig.model_fields.items() if name not in _WIRED},
-)
-# The section is validated again as a whole `TrainConfig` when the flow wires it, so its validators still apply.
-TrainSection.model_fields["model"].default = "tiny-llama"
-TrainSection.model_rebuild(force=True)
-
-
 class PlanSection(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_ranks: int | None = Field(None, ge=1, description="data-parallel ranks (default: train.nproc × train.nnodes)")
@@ -91,48 +79,111 @@ class SFTConfig(BaseModel):
     demo: DemoConfig | None = None
     data: DataConfig | None = None
     plan: PlanSection = PlanSection()
-    train: TrainSection = TrainSection()  # type: ignore[valid-type]
+    train: TrainOptions = TrainOptions()
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"{path}: config file not found")
-        raw = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: config must be a mapping at the top level")
-        # Relative paths in a config file are relative to the file, so a config and its data can travel together.
-        work_dir = Path(raw.get("work_dir", "sftflow-out"))
-        raw["work_dir"] = str(work_dir if work_dir.is_absolute() else (p.parent / work_dir).resolve())
-        data = raw.get("data") or {}
-        if isinstance(data, dict) and isinstance(data.get("sources"), list):
-            data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
-        promote = raw.get("promote") or {}
-        if isinstance(promote, dict) and isinstance(promote.get("registry"), str):
-            promote["registry"] = str(_relative_to(p, promote["registry"]).resolve())
-        if isinstance(data, dict) and isinstance(data.get("tokenizer"), str):
-            if _relative_to(p, data["tokenizer"]).exists():
-                data["tokenizer"] = str(_relative_to(p, data["tokenizer"]))
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as err:
-            raise ValueError(f"{path}: {explain_validation_error(err, cls)}") from None
+        return load_config(path)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML run config as a mapping, its relative paths made relative to the file (not the working directory), so
+    a config and its data can travel together. Paths that may also name something else (a tokenizer or model hub
+    id, a built-in template, a preset) are taken from the file's folder only where something exists there."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: config file not found")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: config must be a mapping at the top level")
+    work_dir = Path(raw.get("work_dir", SFTConfig.model_fields["work_dir"].default))
+    raw["work_dir"] = str(work_dir if work_dir.is_absolute() else (p.parent / work_dir).resolve())
+    data = raw.get("data") or {}
+    if isinstance(data, dict) and isinstance(data.get("sources"), list):
+        data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
+    promote = raw.get("promote") or {}
+    if isinstance(promote, dict) and isinstance(promote.get("registry"), str):
+        promote["registry"] = str(_relative_to(p, promote["registry"]).resolve())
+    render = data.get("render") if isinstance(data, dict) else None
+    train = raw.get("train")
+    for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):
+        if isinstance(section, dict) and isinstance(section.get(key), str):
+            if _relative_to(p, section[key]).exists():
+                section[key] = str(_relative_to(p, section[key]))
+    return raw
+
+
+def parse_assignments(assignments: list[str]) -> dict[str, Any]:
+    """`["train.lr=1e-4", "data.sources=[a.jsonl, b.jsonl]"]` as `{"train.lr": "1e-4", "data.sources": [...]}`.
+
+    A value is read as YAML where that gives a list, a mapping or `null`; a number or a word stays the text it was
+    (unquoted), which pydantic then converts to the field's type: `rdzv_id=42` stays the string a `str` field needs,
+    and `lr=1e-4` (a string to YAML 1.1) becomes a float."""
+    overrides = {}
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        value = yaml.safe_load(text) if text.strip() else None
+        if isinstance(value, (bool, int, float)):
+            value = text.strip()
+        overrides[key.strip()] = value
+    return overrides
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, default: dict | None = None
+) -> SFTConfig:
+    """The run config a command works on: the YAML file at `path` (or `default`, or every field's default), with
+    `overrides` (`{"train.lr": 1e-4}`) applied before it is validated, so an override is checked, and a misspelt key
+    named, exactly as the file's own keys are."""
+    raw = read_config_file(path) if path is not None else copy.deepcopy(default or {})
+    for key, value in (overrides or {}).items():
+        *parents, name = key.split(".")
+        section = raw
+        for i, parent in enumerate(parents):
+            child = section.get(parent)
+            if child is None:
+                child = section[parent] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"{key}: '{'.'.join(parents[: i + 1])}' is a value, not a section")
+            section = child
+        section[name] = value
+    try:
+        return SFTConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(f"{path or 'config'}: {explain_validation_error(err, SFTConfig)}") from None
+
+
+def config_field(key: str):
+    """The pydantic field behind a dotted config key (`plan.tokens_per_rank`), for help texts."""
+    *parents, name = key.split(".")
+    model = _model_at(SFTConfig, parents)
+    if model is None or name not in model.model_fields:
+        raise KeyError(f"{key}: not a config field")
+    return model.model_fields[name]
+
+
+def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    """The (nested) model at `path` of `model`, or None where `path` leaves the models."""
+    for name in path:
+        field = model.model_fields.get(name)
+        if field is None:
+            return None
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
 
 
 def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
     """The field names of the (nested) model at `path` of `model`, or [] where `path` leaves the models."""
-    for name in path:
-        field = model.model_fields.get(name)
-        if field is None:
-            return []
-        candidates = [field.annotation, *typing.get_args(field.annotation)]
-        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
-        if not nested:
-            return []
-        model = nested[0]
-    return sorted(model.model_fields)
+    found = _model_at(model, path)
+    return sorted(found.model_fields) if found is not None else []
 
 
 def explain_validation_error(err: ValidationError, model: type[BaseModel]) -> str:
@@ -206,7 +257,6 @@ def plan_config(cfg: SFTConfig) -> PlanConfig:
 
 def validated_models() -> dict[str, type[BaseModel]]:
     """The config models the CLI validates, by name (a `ValidationError` names its model), for error messages."""
-    from sftflow.tasks.plan import PlanConfig
     from sftflow.tasks.train.config import TrainConfig
 
-    return {m.__name__: m for m in (SFTConfig, DataConfig, PlanSection, PlanConfig, TrainConfig, TrainSection)}
+    return {m.__name__: m for m in (SFTConfig, DataConfig, PlanSection, PlanConfig, TrainConfig, TrainOptions)}

@@ -34,9 +34,7 @@ def sft_train(
         data = data or load_data_result(work)
         plan = plan or load_plan_result(work)
         task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
-        options = cfg.train.model_dump(mode="json", exclude={"node_rank"}) | {"chat_template": data.chat_template}
-        tok, node_rank = data.tokenizer, cfg.train.node_rank
-        result = task(data.index, plan, tok.path, tok.sha256, options, str(work), node_rank=node_rank)
+        result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work))
         write_stage_result(work, "train", result)
         return result
 

@@ -33,14 +33,16 @@ MANIFEST = "manifest.json"
 
 
 def _normalise(value: Any) -> Any:
+    """JSON-able form of an input: a pydantic model hashes as its JSON dump, so a typed model and the dict it dumps to
+    give one key. Unkeyed fields (`_NOT_KEYED`) are left out at any depth."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
+        value = value.model_dump(mode="json")
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (list, tuple)):
         return [_normalise(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _normalise(v) for k, v in value.items()}
+        return {str(k): _normalise(v) for k, v in value.items() if k not in _NOT_KEYED}
     return value
 
 
@@ -49,13 +51,13 @@ def stage_key(stage: str, version: str, entries: tuple[str, ...], inputs: dict[s
         "stage": stage,
         "version": version,
         "code": code_closure.cached_code_fingerprint(entries),
-        "inputs": {k: _normalise(v) for k, v in sorted(inputs.items()) if k not in _NOT_KEYED},
+        "inputs": _normalise(dict(sorted(inputs.items()))),
     }
     return sha256_json(payload)[:24]
 
 
-# Parameters that change how a task runs but not what it produces. `node_rank` differs between the nodes of one
-# multi-node training run, which must share one run folder.
+# Fields that change how a task runs but not what it produces, as parameters or inside a config model. `node_rank`
+# differs between the nodes of one multi-node training run, which must share one run folder.
 _NOT_KEYED = {"timeout_s", "node_rank"}
 
 

@@ -1,4 +1,5 @@
-"""Training configuration: one pydantic `TrainConfig` at the edge (CLI, flow parameters, `run.json`), and small frozen
+"""Training configuration: pydantic models at the edge (`TrainOptions`, the user's options; `TrainConfig`, one run:
+the options plus its data, plan and run folder, as the CLI, the flows and `run.json` carry it), and small frozen
 dataclasses the worker's components take.
 
 `TrainConfig` is validated once, when it is built; the worker reads it back from `RUN_DIR/run.json` and hands each
@@ -48,22 +49,18 @@ class LoraSettings(BaseModel):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
 
-class TrainConfig(BaseModel):
-    """The `train` stage's whole configuration; `sftflow train` flags map onto these fields one to one."""
+class TrainOptions(BaseModel):
+    """How to train: every option a user sets, and what the cached train stage keys on. It is the `train` section of
+    a run config (`SFTConfig.train`) and of `sftflow train`; `TrainConfig` adds where one run reads and writes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # inputs
-    data: str = Field(description="dataset index folder (sft-data output, or `mock.write_mock_index`)")
-    data_split: str = "train"
-    plan: str = Field(description="folder holding plan.npz (sft-plan output)")
-    model: str = Field(description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'")
+    model: str = Field(
+        "tiny-llama", description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'"
+    )
     model_overrides: dict[str, int | float | str | bool] = Field(
         default_factory=dict, description="config overrides for presets and config.json models (e.g. num_hidden_layers)"
     )
-    tokenizer: str | None = Field(None, description="tokenizer folder copied into hf/ (default: the model's)")
-    chat_template: str | None = Field(None, description="the training data's chat template (.jinja), for hf/")
-    out: str = Field(description="run directory")
 
     # launch
     nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
@@ -149,7 +146,7 @@ class TrainConfig(BaseModel):
         return tuple(dict.fromkeys(value))
 
     @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
+    def _check(self) -> TrainOptions:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
         if self.parallel == "single" and self.nproc * self.nnodes > 1:
@@ -162,6 +159,18 @@ class TrainConfig(BaseModel):
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self
+
+
+class TrainConfig(TrainOptions):
+    """One training run: the options, plus the data, plan and run folder it reads and writes (the flow or the
+    `sftflow train` command fills these in). The launcher writes it to `RUN_DIR/run.json` for the workers."""
+
+    data: str = Field(description="dataset index folder (sft-data output, or `mock.write_mock_index`)")
+    data_split: str = "train"
+    plan: str = Field(description="folder holding plan.npz (sft-plan output)")
+    tokenizer: str | None = Field(None, description="tokenizer folder copied into hf/ (default: the model's)")
+    chat_template: str | None = Field(None, description="the training data's chat template (.jinja), for hf/")
+    out: str = Field(description="run directory")
 
     @property
     def run_dir(self) -> Path:

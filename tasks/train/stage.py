@@ -13,10 +13,11 @@ from pathlib import Path
 from prefect import task
 
 from sftflow.tasks.caching import StageCache, retry_unless_bad_input, write_checksums
+from sftflow.tasks.data_stages import TokenizerRef
 from sftflow.tasks.manifests import DatasetIndex
 from sftflow.tasks.plan_stage import PlanManifest
 from sftflow.tasks.train.checkpoint import latest_checkpoint
-from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.config import TrainConfig, TrainOptions
 from sftflow.tasks.train.launch import TrainResult, train
 
 # The worker runs by name (`torchrun -m`), so it is an entry of its own beside this module.
@@ -39,30 +40,22 @@ _CHECKED = ("hf", "metrics.jsonl")
 def train_stage_task(
     index: DatasetIndex,
     plan: PlanManifest,
-    tokenizer_path: str,
-    tokenizer_sha256: str,
-    options: dict,
+    tokenizer: TokenizerRef,
+    options: TrainOptions,
+    chat_template: str | None,
     work_dir: str,
-    node_rank: int = 0,
 ) -> TrainResult:
+    # First statement: `locals()` is exactly the arguments the cache policy keys on, so the two cannot drift apart.
+    # Every node of a multi-node run gets the same key (`options.node_rank` is not part of it), hence one run folder.
+    run_dir = TRAIN_CACHE.output_dir(locals())
     index.verify()
     plan.verify()
-    inputs = dict(
-        index=index,
-        plan=plan,
-        tokenizer_path=tokenizer_path,
-        tokenizer_sha256=tokenizer_sha256,
-        options=options,
-        work_dir=work_dir,
-    )
-    run_dir = TRAIN_CACHE.output_dir(inputs)
-    # Every node of a multi-node run gets the same key (node_rank is not part of it), hence the same run folder.
     config = TrainConfig(
-        **options,
-        node_rank=node_rank,
+        **dict(options),
         data=str(Path(index.path).parent),
         plan=str(Path(plan.path).parent),
-        tokenizer=tokenizer_path,
+        tokenizer=tokenizer.path,
+        chat_template=chat_template,
         out=str(run_dir),
     )
     resume = latest_checkpoint(run_dir / "checkpoints") is not None

@@ -25,6 +25,24 @@ def test_key_follows_content_not_run_details():
     assert key != stage_key("plan", "1", ENTRIES, base)  # equal inputs, another stage: unlike plain INPUTS
 
 
+def test_a_typed_model_keys_as_its_dump_and_without_its_run_details():
+    from sftflow.tasks.data_stages import TokenizerRef
+    from sftflow.tasks.train.config import TrainOptions
+
+    tokenizer = TokenizerRef(path="/tok", sha256="c" * 64)
+
+    def key(options: TrainOptions) -> str:
+        return stage_key("train", "1", ENTRIES, {"options": options, "tokenizer": tokenizer, "work_dir": "w"})
+
+    options = TrainOptions(lr=1e-3)
+    dumped = {"options": options.model_dump(mode="json"), "tokenizer": {"path": "/tok", "sha256": "c" * 64}}
+    assert key(options) == stage_key("train", "1", ENTRIES, {**dumped, "work_dir": "w"})
+    # The nodes of one multi-node run, and a different time limit, share the run folder.
+    two_nodes = options.model_copy(update={"nnodes": 2})
+    assert key(two_nodes.model_copy(update={"node_rank": 1, "timeout_s": 60.0})) == key(two_nodes)
+    assert key(options) != key(TrainOptions(lr=2e-3))
+
+
 def test_outputs_valid_detects_missing_and_changed_files(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"weights")
