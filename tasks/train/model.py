@@ -168,8 +168,8 @@ def build_training_model(
 
     A local Hugging Face folder with safetensors weights is built on the meta device, and the checkpoint files come
     back with it: `sftflow.tasks.train.weights.materialize` reads each rank's rows once the model is sharded. Anything
-    else (presets, config.json, hub ids, renamed or non-safetensors checkpoints) is `build_model`'s fp32 CPU model,
-    and None.
+    else (presets, config.json, hub ids, non-safetensors checkpoints, and tensors that transformers converts on load
+    in ways other than a rename or a stack of experts) is `build_model`'s fp32 CPU model, and None.
     """
     files = CheckpointFiles.find(spec) if Path(spec).is_dir() else None
     if files is None:
