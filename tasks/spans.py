@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import Counter
 from itertools import chain
 from pathlib import Path
@@ -228,11 +229,17 @@ def tokenize_docs(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tu
     return out, dict(rejected)
 
 
+# transformers imports its modules lazily, and not thread-safely: two shards tokenized at once on the thread runner,
+# the first to import it, fail with "cannot import name 'AutoTokenizer' from 'transformers'". Loading is serialised.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
 def _load_tokenizer(tokenizer_or_path):
     if isinstance(tokenizer_or_path, (str, Path)):
-        from transformers import AutoTokenizer
+        with _TRANSFORMERS_LOCK:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(tokenizer_or_path))
+            return AutoTokenizer.from_pretrained(str(tokenizer_or_path))
     return tokenizer_or_path
 
 
