@@ -44,8 +44,19 @@ def base(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         PlanConfig(num_ranks=1, tokens_per_rank=64, micro_batches_per_step=1, epochs=2, seed=0),
         checkpoint_every=4,
         keep_last=1,
+        warmup_steps=2,
     )
     return root, config
+
+
+@pytest.fixture(scope="module")
+def three_steps(base) -> Path:
+    """A run stopped by `max_steps` at step 3, off the checkpoint grid of 4 (its last step is saved anyway). The tests
+    that resume or damage it work on copies, so that one launch serves them all."""
+    root, config = base
+    out = root / "three-steps"
+    run(config, out, max_steps=3)
+    return out
 
 
 def _complete(folder: Path) -> list[str]:
@@ -83,13 +94,13 @@ def test_pruning_keeps_the_newest_complete_checkpoints_up_to_the_step_saved(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-12", "step-6", "step-8"]
 
 
-def test_a_metrics_line_cut_short_does_not_block_the_resume(base):
+def test_a_metrics_line_cut_short_does_not_block_the_resume(base, three_steps):
     root, config = base
     out = root / "cut-metrics"
-    run(config, out, max_steps=4)
+    shutil.copytree(three_steps, out)
     metrics = out / "metrics.jsonl"
     with open(metrics, "a") as f:
-        f.write('{"step": 5, "loss": 1.2')  # the disk filled up mid-line
+        f.write('{"step": 4, "loss": 1.2')  # the disk filled up mid-line
     run(config, out, max_steps=6, resume=True)
     lines = metrics.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
@@ -196,11 +207,11 @@ def test_a_changed_input_is_refused_before_training_with_its_path(damage, tmp_pa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_damaged_checkpoint_is_refused_before_it_is_loaded(base):
+def test_a_damaged_checkpoint_is_refused_before_it_is_loaded(base, three_steps):
     root, config = base
     out = root / "damaged"
-    run(config, out, max_steps=4)
-    step = out / "checkpoints" / "step-4"
+    shutil.copytree(three_steps, out)
+    step = out / "checkpoints" / "step-3"
     assert (step / "CHECKSUMS").is_file()
     shard = next(step.glob("*.distcp"))
     _flip(shard, shard.stat().st_size // 2)
@@ -251,16 +262,16 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(
     assert outputs_valid(tmp_path / "out")
 
 
-def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base):
+def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base, three_steps):
     """The schedule spans the plan: stopping at step 3 and resuming to step 6 gives the learning rates (and losses)
     of one run to step 6, and both follow the curve of the whole plan (it used to be squeezed into max_steps)."""
     from train_helpers import metrics
 
     root, config = base
     straight, split = root / "lr-straight", root / "lr-split"
-    run(config, straight, max_steps=6, warmup_steps=2)
-    run(config, split, max_steps=3, warmup_steps=2)
-    run(config, split, max_steps=6, warmup_steps=2, resume=True)
+    run(config, straight, max_steps=6)
+    shutil.copytree(three_steps, split)
+    run(config, split, max_steps=6, resume=True)
     lrs = [m["lr"] for m in metrics(straight)]
     assert [m["lr"] for m in metrics(split)] == lrs
     assert losses(split) == losses(straight)
@@ -270,7 +281,7 @@ def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base):
 
     steps = load_plan(config.plan).num_steps
     assert steps > 12
-    curve = schedule_config(config.model_copy(update={"warmup_steps": 2}), steps)
+    curve = schedule_config(config, steps)
     assert lrs == pytest.approx([config.lr * lr_factor(s, curve) for s in range(6)], rel=1e-12)
 
 
