@@ -97,39 +97,33 @@ def test_second_run_is_cached_end_to_end(first_run):
     assert state.result() == first.result().model_copy(update={"promotion": None})  # this run has no gate
 
 
-def test_learning_rate_change_reruns_only_train_and_eval(first_run):
+def test_learning_rate_change_reruns_only_train_and_eval_and_a_failed_run_resumes(first_run, caplog, inject_crash):
+    """A new learning rate (the flow's flat parameter) reruns training and evaluation only. Its first attempt crashes
+    without retries; a fresh run of the flow resumes that training run from its checkpoint without redoing data or
+    plan."""
     work, first, _ = first_run
-    with RecordedTaskRuns() as runs:
-        state = sft(config=_config(work), learning_rate=5e-4, return_state=True)
-    assert state.is_completed()
-    states = runs.states()
-    for stage in ("render", "spans", "pbin", "index", "plan"):
-        assert states[stage] == ["Cached"], (stage, states)
-    assert states["train"] == ["Completed"] and states["evaluate"] == ["Completed"]
-    assert state.result().train.run_dir != first.result().train.run_dir
-
-
-def test_failed_training_resumes_on_a_fresh_run_without_redoing_data_or_plan(first_run, caplog, inject_crash):
-    work, _, _ = first_run
-    config = _config(work, seed=7).model_copy(update={"train_retries": 0})
+    config = _config(work).model_copy(update={"train_retries": 0})
     inject_crash("crash_after_step=3")
     with RecordedTaskRuns() as runs:
-        failed = sft(config=config, return_state=True)
+        failed = sft(config=config, learning_rate=5e-4, return_state=True)
     inject_crash(None)
     assert failed.is_failed()
     states = runs.states()
+    for stage in ("render", "spans", "pbin", "index", "plan"):
+        assert states[stage] == ["Cached"], (stage, states)
     assert states["train"] == ["Failed"]
     assert "evaluate" not in states
 
     caplog.clear()
     with RecordedTaskRuns() as runs:
-        state = sft(config=config, return_state=True)
+        state = sft(config=config, learning_rate=5e-4, return_state=True)
     assert state.is_completed()
     states = runs.states()
     for stage in ("render", "spans", "pbin", "index", "plan"):
         assert states[stage] == ["Cached"], (stage, states)
-    assert states["train"] == ["Completed"]
+    assert states["train"] == ["Completed"] and states["evaluate"] == ["Completed"]
     run_dir = Path(state.result().train.run_dir)
+    assert run_dir != Path(first.result().train.run_dir)
     assert (run_dir / "fault-fired").is_file()  # the crash happened in this run folder
     # The crash came after step 3; the latest checkpoint was step 2, so the fresh run resumed there, not from scratch.
     assert any("resumed all components from" in r.getMessage() and "step-2" in r.getMessage() for r in caplog.records)
