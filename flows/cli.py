@@ -10,11 +10,13 @@ import json
 import os
 import re
 import sys
+import typing
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
+from pydantic_core import PydanticUndefined
 from typer.core import TyperCommand
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Supervised fine-tuning as a Prefect pipeline.")
@@ -25,14 +27,18 @@ _CHOICES = re.compile(r"^(\w+(?:\|\w+)+)(?::\s*(.*))?$")
 
 
 class _Command(TyperCommand):
-    """Help that reads as usage: `--mask-policy generation|roles`, `--max-steps N`, `--force` alone, and options a
-    command cannot run without (unless a config file gives them) marked."""
+    """Help that reads as usage: `--task-runner threads|processes|dask`, `--max-length N`, `--force` alone, and options
+    a command cannot run without (unless a config file gives them) marked. An option that sets a config field
+    (`_option`) shows that field's choices and default, read from the config models only when help is shown, so a
+    command that runs does not import them twice."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        keys = _config_keys(self.callback) if self.callback else {}
         for param in self.params:
             if param.param_type_name != "option":
                 continue
+            param.config_key = keys.get(param.name)
             if param.is_flag:
                 param.metavar = ""
                 continue
@@ -45,11 +51,87 @@ class _Command(TyperCommand):
             if param.multiple:
                 param.help = f"{param.help} (repeat for more)".strip()
 
+    def format_help(self, ctx, formatter):
+        from sftflow.flows.config import config_field
+
+        for param in self.params:
+            key = getattr(param, "config_key", None)
+            if key is None:
+                continue
+            field = config_field(key)
+            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
+            if choices and not param.is_flag:
+                param.metavar = "|".join(choices)
+            default = field.default
+            if isinstance(default, (tuple, list)):
+                default = ",".join(map(str, default))
+            shown = "" if default in (None, PydanticUndefined) or param.is_flag else f", default {default}"
+            param.help = f"{param.help or field.description or ''} ({key}{shown})".strip()
+        return super().format_help(ctx, formatter)
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as err:
+            # An unknown option (click's NoSuchOption, which typer vendors): most config fields have no option of
+            # their own, so point at the --set that sets one.
+            name = getattr(err, "option_name", None)
+            if isinstance(name, str) and isinstance(getattr(err, "message", None), str):
+                from sftflow.flows.config import keys_named
+
+                keys = keys_named(name.lstrip("-").replace("-", "_"))
+                if keys:
+                    err.message += "; set it with " + " or ".join(f"--set {k}=VALUE" for k in keys)
+            raise
+
     def get_help_option(self, ctx):
         option = super().get_help_option(ctx)
         if option is not None:
             option.metavar = ""
         return option
+
+
+def _option(key: str, *names: str, help: str | None = None) -> Any:
+    """A command-line option that sets the config field `key` (`train.lr`); it has no default of its own (the field's
+    is the only one, shown in the help), and an option not given leaves the config as it is."""
+    option = typer.Option(*names, help=help)
+    option.config_key = key
+    return option
+
+
+def _config_keys(fn) -> dict[str, str]:
+    """`{parameter name: config key}` of the `_option` parameters of a command function."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    return {
+        name: meta.config_key
+        for name, hint in hints.items()
+        for meta in getattr(hint, "__metadata__", ())
+        if getattr(meta, "config_key", None)
+    }
+
+
+def _run_config(command, values: dict[str, Any], default: dict | None = None):
+    """The config a command works on: `--config` (or `default`, or the models' defaults), then `--set`
+    assignments, then the command's own options (`_option`) that were given; all validated as one `SFTConfig`."""
+    from sftflow.flows.config import load_config, parse_assignments
+
+    overrides = parse_assignments(values.get("set") or [])
+    for name, key in _config_keys(command).items():
+        if values[name] is not None and values[name] is not False:  # a flag left off sets nothing
+            overrides[key] = values[name]
+    return load_config(values.get("config"), overrides, default=default)
+
+
+ConfigFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", help="YAML run config, as `sftflow run` takes (its relative paths are relative to the file)"
+    ),
+]
+Assignments = Annotated[
+    list[str] | None,
+    typer.Option("--set", metavar="KEY=VALUE", help="set any config field: --set train.lr=1e-4, --set plan.epochs=3"),
+]
 
 
 def command(name: str | None = None):
@@ -124,89 +206,43 @@ def _flow_session(work_dir: str | Path):
         yield
 
 
-def _load_yaml(path: Path | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    import yaml
-
-    if not path.is_file():
-        raise ValueError(f"{path}: config file not found")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: config must be a mapping at the top level")
-    return data
-
-
-def _set(section: dict, key: str, value: Any) -> None:
-    if value is not None:
-        section[key] = value
-
-
 @command()
 @_user_errors
 def data(
     source: Annotated[
         list[str] | None,
-        typer.Option("--source", help="JSONL/Parquet file or datasets folder (required without --config)"),
+        _option("data.sources", "--source", help="JSONL/Parquet file or datasets folder (required without --config)"),
     ] = None,
     tokenizer: Annotated[
-        str | None, typer.Option(help="tokenizer folder or hub id (required without --config)")
+        str | None, _option("data.tokenizer", help="tokenizer folder or hub id (required without --config)")
     ] = None,
-    template: Annotated[str | None, typer.Option(help="built-in name (chatml, llama3) or .jinja file")] = None,
-    format: Annotated[
-        str | None, typer.Option(help="auto|messages|sharegpt|prompt_completion|alpaca|text_spans")
+    template: Annotated[
+        str | None, _option("data.render.template", help="built-in name (chatml, llama3, ...), .jinja file or auto")
     ] = None,
-    mask_policy: Annotated[str | None, typer.Option(help="generation|roles")] = None,
-    bos: Annotated[str | None, typer.Option(help="auto|never")] = None,
-    eos: Annotated[str | None, typer.Option(help="auto|always|never")] = None,
-    max_length: Annotated[int | None, typer.Option(help="longest document in tokens")] = None,
-    length_policy: Annotated[str | None, typer.Option(help="drop|truncate")] = None,
+    max_length: Annotated[int | None, _option("data.spans.max_length", help="longest document in tokens")] = None,
     tokenizer_backend: Annotated[
-        str | None, typer.Option(help="auto|hf|tiktoken: who tokenizes in spans (auto: tiktoken when exact)")
+        str | None, _option("data.spans.tokenizer_backend", help="who tokenizes (auto: tiktoken when exact)")
     ] = None,
-    on_bad_record: Annotated[str | None, typer.Option(help="error|reject")] = None,
-    eval_fraction: Annotated[float | None, typer.Option(help="share of documents held out for evaluation")] = None,
-    task_runner: Annotated[str | None, typer.Option(help="threads|processes|dask")] = None,
-    workers: Annotated[int | None, typer.Option(help="task-runner workers")] = None,
-    dask_address: Annotated[str | None, typer.Option(help="scheduler of an existing Dask cluster")] = None,
-    shard_bytes: Annotated[int | None, typer.Option(help="split sources into shards of about N bytes")] = None,
-    shard_records: Annotated[int | None, typer.Option(help="split sources into shards of N records")] = None,
+    task_runner: Annotated[str | None, _option("data.task_runner", help="where the per-shard stages run")] = None,
+    workers: Annotated[int | None, _option("data.workers")] = None,
+    shard_bytes: Annotated[
+        int | None, _option("data.shard_bytes", help="split sources into shards of ~N bytes")
+    ] = None,
     force: Annotated[bool, typer.Option(help="recompute every stage, ignoring the cache")] = False,
-    config: Annotated[Path | None, typer.Option(help="YAML file with the same fields (DataConfig)")] = None,
-    out: Annotated[Path, typer.Option(help="output folder: shards, index, manifests")] = Path("sftflow-out/data"),
+    config: ConfigFile = None,
+    set: Assignments = None,
+    out: Annotated[Path | None, typer.Option(help="output folder (default: WORK_DIR/data)")] = None,
 ) -> None:
     """Render, tokenize and pack conversations into pbin shards plus a dataset index (the `sft-data` flow)."""
     _quiet_defaults()
-    from sftflow.flows.data import DataConfig, run_data
+    from sftflow.flows.data import sft_data
 
-    raw = _load_yaml(config)
-    raw.setdefault("render", {})
-    raw.setdefault("spans", {})
-    raw.setdefault("index", {})
-    if source:
-        raw["sources"] = source
-    _set(raw, "tokenizer", tokenizer)
-    for key, value in dict(task_runner=task_runner, workers=workers, dask_address=dask_address).items():
-        _set(raw, key, value)
-    _set(raw, "shard_bytes", shard_bytes)
-    _set(raw, "shard_records", shard_records)
-    for key, value in dict(
-        template=template, format=format, mask_policy=mask_policy, on_bad_record=on_bad_record
-    ).items():
-        _set(raw["render"], key, value)
-    spans = dict(
-        bos=bos, eos=eos, max_length=max_length, length_policy=length_policy, tokenizer_backend=tokenizer_backend
-    )
-    for key, value in spans.items():
-        _set(raw["spans"], key, value)
-    _set(raw["index"], "eval_fraction", eval_fraction)
-    if max_length is not None:
-        raw["index"].setdefault("max_length", max_length)
-    if "sources" not in raw or "tokenizer" not in raw:
-        raise ValueError("--source and --tokenizer are required (or set `sources` and `tokenizer` in --config)")
-    data_config = DataConfig.model_validate(raw)
+    cfg = _run_config(data, locals())
+    if cfg.data is None and cfg.demo is None:
+        raise ValueError("--source and --tokenizer are required (or `data: {sources, tokenizer}` in --config)")
+    out = out or Path(cfg.work_dir) / "data"
     with _flow_session(out):
-        result = run_data(data_config, str(out), force=force)
+        result = sft_data(config=cfg.model_copy(update={"work_dir": str(out.resolve())}), force=force)
     typer.echo(json.dumps(result.summary(), indent=2))
 
 
@@ -227,17 +263,16 @@ def inspect(
 @command()
 @_user_errors
 def plan(
-    data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data`")] = None,
-    lengths: Annotated[Path | None, typer.Option(help=".npy of document lengths (capacity planning)")] = None,
-    num_ranks: Annotated[int, typer.Option(help="data-parallel ranks")] = 1,
-    tokens_per_rank: Annotated[int, typer.Option(help="capacity of one packed row")] = 2048,  # plan's default
-    micro_batches_per_step: Annotated[int | None, typer.Option(help="micro-batches per optimizer step")] = None,
-    target_tokens_per_step: Annotated[int | None, typer.Option(help="trainable tokens per step (instead)")] = None,
-    epochs: Annotated[int, typer.Option()] = 1,
-    seed: Annotated[int, typer.Option()] = 0,
-    mode: Annotated[str, typer.Option(help="packed|padded|iterative")] = "packed",
-    drop_last: Annotated[bool, typer.Option(help="drop the final partial step")] = False,
-    out: Annotated[Path, typer.Option(help="output folder for plan.npz")] = Path("sftflow-out/plan"),
+    data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data` (default: WORK_DIR/data)")] = None,
+    lengths: Annotated[
+        Path | None, typer.Option(help=".npy of document lengths, instead of --data (capacity planning)")
+    ] = None,
+    num_ranks: Annotated[int | None, _option("plan.num_ranks")] = None,
+    tokens_per_rank: Annotated[int | None, _option("plan.tokens_per_rank", help="capacity of one packed row")] = None,
+    force: Annotated[bool, typer.Option(help="recompute the plan, ignoring the cache")] = False,
+    config: ConfigFile = None,
+    set: Assignments = None,
+    out: Annotated[Path | None, typer.Option(help="output folder for plan.npz (default: WORK_DIR/plan)")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="print the plan statistics")] = False,
     stats_json: Annotated[bool, typer.Option("--stats-json", help="print one JSON object of statistics")] = False,
 ) -> None:
@@ -245,42 +280,30 @@ def plan(
     _quiet_defaults()
     import numpy as np
 
-    from sftflow.tasks.atomic import write_atomic
-    from sftflow.tasks.plan import PlanConfig, save_plan
-    from sftflow.tasks.plan import plan as make_plan
+    from sftflow.flows.config import plan_config
+    from sftflow.tasks.plan_stage import plan_into
 
-    config = PlanConfig(
-        num_ranks=num_ranks,
-        tokens_per_rank=tokens_per_rank,
-        micro_batches_per_step=micro_batches_per_step,
-        target_tokens_per_step=target_tokens_per_step,
-        epochs=epochs,
-        seed=seed,
-        mode=mode,
-        drop_last=drop_last,
-    )
-    if (data is None) == (lengths is None):
-        raise ValueError("give exactly one of --data DIR or --lengths FILE.npy")
+    cfg = _run_config(plan, locals())
+    if data is not None and lengths is not None:
+        raise ValueError("give one of --data DIR or --lengths FILE.npy, not both")
+    out = out or Path(cfg.work_dir) / "plan"
     if lengths is not None:
         doc_lengths = np.load(lengths, allow_pickle=False)
         if doc_lengths.ndim != 1:
             raise ValueError(f"{lengths}: expected a 1-D array of lengths, got shape {doc_lengths.shape}")
         # Without loss spans, every token but each document's first is a trained target.
-        arrays, plan_stats = make_plan(doc_lengths, np.maximum(doc_lengths - 1, 0), config)
-        out.mkdir(parents=True, exist_ok=True)
-        save_plan(arrays, out / "plan.npz")
-        write_atomic(out / "stats.json", plan_stats.model_dump_json(indent=2))
+        targets = np.maximum(doc_lengths - 1, 0)
+        _, plan_stats = plan_into(out, doc_lengths, targets, plan_config(cfg), lambda doc: f"{lengths}: doc {doc}")
     else:
         import shutil
 
-        from sftflow.flows.config import PlanSection, SFTConfig
-        from sftflow.flows.data import load_data_result
         from sftflow.flows.plan import sft_plan
 
-        section = PlanSection.model_validate(config.model_dump(include=set(PlanSection.model_fields)))
-        cfg = SFTConfig(work_dir=str(out.resolve()), plan=section)
+        data_result = _data_result(data or Path(cfg.work_dir) / "data")
         with _flow_session(out):
-            manifest = sft_plan(config=cfg, data=load_data_result(data))
+            manifest = sft_plan(
+                config=cfg.model_copy(update={"work_dir": str(out.resolve())}), data=data_result, force=force
+            )
         plan_stats = manifest.stats
         shutil.copyfile(manifest.path, out / "plan.npz")
     summary = {
@@ -309,133 +332,125 @@ def main() -> None:  # pragma: no cover
 def train(
     data: Annotated[
         Path | None,
-        typer.Option(help="folder written by `sftflow data` (or a dataset index folder) (required without --config)"),
+        typer.Option(help="folder written by `sftflow data`, or a dataset index folder (default: WORK_DIR/data)"),
     ] = None,
-    plan: Annotated[Path, typer.Option(help="folder holding plan.npz (`sftflow plan --out`)")] = Path(
-        "sftflow-out/plan"
-    ),
-    model: Annotated[str, typer.Option(help="local folder, hub id, config.json or preset (tiny-llama)")] = "tiny-llama",
-    out: Annotated[Path, typer.Option(help="run directory")] = Path("sftflow-out/run"),
-    nproc: Annotated[int, typer.Option(help="worker processes (GPUs) per node")] = 1,
-    max_steps: Annotated[int | None, typer.Option(help="stop after N optimizer steps")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="save a checkpoint every N steps")] = None,
-    keep_last: Annotated[int | None, typer.Option(help="checkpoints to keep")] = None,
-    lr: Annotated[float | None, typer.Option(help="peak learning rate")] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
-    resume: Annotated[bool, typer.Option(help="continue from the run's latest checkpoint")] = False,
-    init_from: Annotated[str | None, typer.Option(help="checkpoint (step-N folder or run dir) to start from")] = None,
-    load_components: Annotated[str | None, typer.Option(help="model[,optimizer,lr_scheduler,progress]")] = None,
-    nnodes: Annotated[int | None, typer.Option(help="nodes (multi-node: same command on each)")] = None,
-    node_rank: Annotated[int | None, typer.Option(help="this node's rank")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="host:port of the c10d rendezvous")] = None,
-    rdzv_id: Annotated[str | None, typer.Option(help="rendezvous id shared by all nodes")] = None,
-    compile: Annotated[str | None, typer.Option(help="auto|off|layers: torch.compile each decoder layer")] = None,
-    parallel: Annotated[
-        str | None, typer.Option(help="auto|fsdp|single: FSDP2, or one device without sharding (auto: single on 1 GPU)")
+    plan: Annotated[
+        Path | None, typer.Option(help="folder holding plan.npz, `sftflow plan --out` (default: WORK_DIR/plan)")
     ] = None,
-    lora_rank: Annotated[int | None, typer.Option(help="train LoRA adapters of this rank on a frozen base")] = None,
-    lora_alpha: Annotated[float | None, typer.Option(help="LoRA alpha (default: twice the rank)")] = None,
-    lora_dropout: Annotated[float | None, typer.Option(help="LoRA dropout")] = None,
-    lora_targets: Annotated[str | None, typer.Option(help="all-linear, or module names: q_proj,v_proj")] = None,
-    config: Annotated[Path | None, typer.Option(help="YAML with TrainConfig fields")] = None,
+    out: Annotated[Path | None, typer.Option(help="run directory (default: WORK_DIR/run)")] = None,
+    model: Annotated[str | None, _option("train.model", help="local folder, hub id, config.json or preset")] = None,
+    nproc: Annotated[int | None, _option("train.nproc", help="worker processes (GPUs) per node")] = None,
+    max_steps: Annotated[int | None, _option("train.max_steps", help="stop after N optimizer steps")] = None,
+    lr: Annotated[float | None, _option("train.lr", help="peak learning rate")] = None,
+    checkpoint_every: Annotated[
+        int | None, _option("train.checkpoint_every", help="save a checkpoint every N steps")
+    ] = None,
+    resume: Annotated[
+        bool, _option("train.resume", "--resume", help="continue from the run's latest checkpoint")
+    ] = False,
+    init_from: Annotated[
+        str | None, _option("train.init_from", help="checkpoint (step-N folder or run dir) to start from")
+    ] = None,
+    load_components: Annotated[
+        str | None, _option("train.load_components", help="model[,optimizer,lr_scheduler,progress]")
+    ] = None,
+    nnodes: Annotated[int | None, _option("train.nnodes", help="nodes (multi-node: same command on each)")] = None,
+    node_rank: Annotated[int | None, _option("train.node_rank", help="this node's rank")] = None,
+    rdzv_endpoint: Annotated[str | None, _option("train.rdzv_endpoint")] = None,
+    rdzv_id: Annotated[str | None, _option("train.rdzv_id")] = None,
+    compile: Annotated[str | None, _option("train.compile", help="torch.compile each decoder layer")] = None,
+    parallel: Annotated[str | None, _option("train.parallel")] = None,
+    lora_rank: Annotated[int | None, _option("train.lora.rank", help="train LoRA adapters of this rank")] = None,
+    lora_alpha: Annotated[
+        float | None, _option("train.lora.alpha", help="LoRA alpha (default: twice the rank)")
+    ] = None,
+    lora_dropout: Annotated[float | None, _option("train.lora.dropout", help="LoRA dropout")] = None,
+    lora_targets: Annotated[
+        str | None, _option("train.lora.targets", help="all-linear, or module names: q_proj,v_proj")
+    ] = None,
+    config: ConfigFile = None,
+    set: Assignments = None,
 ) -> None:
-    """Train with torchrun (FSDP2, packed rows, DCP checkpoints) and export a Hugging Face folder."""
+    """Train with torchrun (FSDP2, packed rows, DCP checkpoints) into one run folder and export a Hugging Face
+    folder (no Prefect: `sftflow run` is the cached, retried pipeline)."""
     _quiet_defaults()
     from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import train as run_train
 
-    raw = _load_yaml(config)
-    if data is not None:
-        raw["data"] = _index_dir(data)
-        raw.setdefault("tokenizer", _data_tokenizer(data))
-        if (data / "data.json").is_file():
-            from sftflow.flows.data import load_data_result
-
-            raw.setdefault("chat_template", load_data_result(data).chat_template)
-    elif "data" not in raw:
-        raise ValueError("--data is required: the folder written by `sftflow data` (or a dataset index folder)")
-    flags = dict(
-        plan=str(plan),
-        model=model,
-        out=str(out),
-        nproc=nproc,
-        max_steps=max_steps,
-        checkpoint_every=checkpoint_every,
-        keep_last=keep_last,
-        lr=lr,
-        seed=seed,
-        init_from=init_from,
-        load_components=load_components,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id,
-        compile=compile,
-        parallel=parallel,
+    cfg = _run_config(train, locals())
+    work = Path(cfg.work_dir)
+    index_dir, tokenizer, chat_template = _data_inputs(data or work / "data")
+    config = TrainConfig(
+        **dict(cfg.train),
+        data=index_dir,
+        plan=str(plan or work / "plan"),
+        out=str(out or work / "run"),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
     )
-    for key, value in flags.items():
-        _set(raw, key, value)
-    lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, targets=lora_targets)
-    if any(v is not None for v in lora.values()):
-        raw["lora"] = {**(raw.get("lora") or {}), **{k: v for k, v in lora.items() if v is not None}}
-    result = run_train(TrainConfig.model_validate(raw), resume=resume)
-    typer.echo(result.model_dump_json(indent=2))
+    typer.echo(run_train(config).model_dump_json(indent=2))
 
 
-def _index_dir(data: Path) -> str:
-    if (data / "data.json").is_file():
-        from sftflow.flows.data import load_data_result
+def _data_result(data: Path):
+    """What `sftflow data` wrote in `data`."""
+    from sftflow.flows.data import load_data_result
 
-        return load_data_result(data).index_dir
-    if (data / "index.json").is_file():
-        return str(data)
-    raise ValueError(f"{data}: neither a `sftflow data` output (data.json) nor a dataset index (index.json)")
+    if not (data / "data.json").is_file():
+        raise ValueError(f"{data}: no `sftflow data` output here (data.json); run `sftflow data --out {data}` first")
+    return load_data_result(data)
 
 
-def _data_tokenizer(data: Path) -> str | None:
-    if (data / "data.json").is_file():
-        from sftflow.flows.data import load_data_result
-
-        return load_data_result(data).tokenizer.path
-    return None
+def _data_inputs(data: Path) -> tuple[str, str | None, str | None]:
+    """(index folder, tokenizer, chat template) of `data`: a `sftflow data` output, or a bare dataset index (whose
+    tokenizer and template are not known: the model's are used)."""
+    if (data / "index.json").is_file() and not (data / "data.json").is_file():
+        return str(data), None, None
+    if not (data / "data.json").is_file():
+        raise ValueError(
+            f"{data}: neither a `sftflow data` output (data.json) nor a dataset index (index.json); pass --data DIR"
+        )
+    result = _data_result(data)
+    return result.index_dir, result.tokenizer.path, result.chat_template
 
 
 @command("eval")
 @_user_errors
 def eval_command(
-    model: Annotated[str, typer.Option(help="the tuned model: a Hugging Face folder (e.g. RUN/hf)")],
-    data: Annotated[Path, typer.Option(help="folder written by `sftflow data`")],
+    model: Annotated[
+        str | None, typer.Option(help="the tuned model: a Hugging Face folder (default: WORK_DIR/run/hf)")
+    ] = None,
+    data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data` (default: WORK_DIR/data)")] = None,
     base: Annotated[str | None, typer.Option(help="base model to compare with (folder, hub id or preset)")] = None,
-    seed: Annotated[int, typer.Option(help="seed a preset base was initialised with")] = 0,
-    max_docs: Annotated[int | None, typer.Option(help="eval documents for loss/accuracy")] = 512,
-    max_generations: Annotated[int, typer.Option(help="documents to generate answers for")] = 64,
-    out: Annotated[Path, typer.Option(help="report folder")] = Path("sftflow-out/eval"),
+    out: Annotated[Path | None, typer.Option(help="report folder (default: WORK_DIR/eval)")] = None,
+    config: ConfigFile = None,
+    set: Assignments = None,
 ) -> None:
-    """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match."""
+    """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match. The `eval`
+    section sets what is covered (e.g. --set eval.max_docs=64); a preset base is built with train.seed."""
     _quiet_defaults()
     from sftflow.tasks.eval_report import markdown_summary
     from sftflow.tasks.eval_stage import evaluate_run
-    from sftflow.tasks.manifests import EvalConfig, ModelRef
+    from sftflow.tasks.manifests import ModelRef
 
-    tokenizer = _data_tokenizer(data) or model
-    base_ref = ModelRef(spec=base, seed=seed) if base else None
-    config = EvalConfig(max_docs=max_docs, max_generations=max_generations)
+    cfg = _run_config(eval_command, locals())
+    work = Path(cfg.work_dir)
+    index_dir, tokenizer, _ = _data_inputs(data or work / "data")
+    model = model or str(work / "run" / "hf")
+    out = out or work / "eval"
+    base_ref = ModelRef(spec=base, seed=cfg.train.seed) if base else None
     metrics = Path(model).parent / "metrics.jsonl"
-    result, _ = evaluate_run(
-        ModelRef(spec=model), base_ref, _index_dir(data), tokenizer, config, out, metrics if metrics.is_file() else None
-    )
-    typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics.is_file() else None))
+    metrics_path = metrics if metrics.is_file() else None
+    result, _ = evaluate_run(ModelRef(spec=model), base_ref, index_dir, tokenizer or model, cfg.eval, out, metrics_path)
+    typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics_path else None))
 
 
-def _sft_config(config: Path | None, work_dir: str | None):
-    """The config file given, or the bundled demo, with `--work-dir` applied."""
-    from sftflow.flows.config import SFTConfig
-    from sftflow.flows.demo import demo_config
+def _demo_default() -> dict:
+    """The bundled demo config, what `run` and `promote` work on without a config file."""
+    import yaml
 
-    cfg = SFTConfig.from_yaml(config) if config else demo_config()
-    if work_dir:
-        cfg = cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())})
-    return cfg
+    from sftflow.flows.demo import demo_config_text
+
+    return yaml.safe_load(demo_config_text())
 
 
 @command()
@@ -443,8 +458,9 @@ def _sft_config(config: Path | None, work_dir: str | None):
 def run(
     config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
     work_dir: Annotated[str | None, typer.Option(help="override the config's work_dir")] = None,
-    learning_rate: Annotated[float | None, typer.Option(help="override train.lr")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="override train.max_steps")] = None,
+    learning_rate: Annotated[float | None, _option("train.lr", "--learning-rate")] = None,
+    max_steps: Annotated[int | None, _option("train.max_steps")] = None,
+    set: Assignments = None,
     force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval")] = None,
     promote: Annotated[
         bool, typer.Option("--promote", help="end with the promotion gate (see `sftflow promote`)")
@@ -454,10 +470,14 @@ def run(
     _quiet_defaults()
     from sftflow.flows.sft import sft
 
-    cfg = _sft_config(config, work_dir)
+    cfg = _with_work_dir(_run_config(run, locals(), default=_demo_default()), work_dir)
     with _flow_session(cfg.work_dir):
-        result = sft(config=cfg, learning_rate=learning_rate, max_steps=max_steps, force=force or [], promote=promote)
+        result = sft(config=cfg, force=force or [], promote=promote)
     typer.echo(_final_report(result))
+
+
+def _with_work_dir(cfg, work_dir: str | None):
+    return cfg.model_copy(update={"work_dir": str(Path(work_dir).resolve())}) if work_dir else cfg
 
 
 @command()
@@ -465,12 +485,13 @@ def run(
 def promote(
     config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
     work_dir: Annotated[str | None, typer.Option(help="override the config's work_dir")] = None,
+    set: Assignments = None,
 ) -> None:
     """Promote the work folder's latest trained model if it beats the registry's champion on the same eval docs."""
     _quiet_defaults()
     from sftflow.flows.promote import sft_promote
 
-    cfg = _sft_config(config, work_dir)
+    cfg = _with_work_dir(_run_config(promote, locals(), default=_demo_default()), work_dir)
     with _flow_session(cfg.work_dir):
         result = sft_promote(config=cfg)
     typer.echo(Path(result.report_path).read_text())

@@ -166,6 +166,19 @@ def config_field(key: str):
     return model.model_fields[name]
 
 
+def keys_named(name: str, model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted config key whose last part is `name` (`keep_last` -> `["train.keep_last"]`)."""
+    found = []
+    for field_name in (model or SFTConfig).model_fields:
+        key = f"{prefix}{field_name}"
+        if field_name == name:
+            found.append(key)
+        nested = _model_at(model or SFTConfig, [field_name])
+        if nested is not None:
+            found += keys_named(name, nested, f"{key}.")
+    return found
+
+
 def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
     """The (nested) model at `path` of `model`, or None where `path` leaves the models."""
     for name in path:

@@ -182,5 +182,5 @@ def load_data_result(work_dir: str | Path) -> DataResult:
 
 
 def run_data(config: DataConfig, work_dir: str, force: bool = False) -> DataResult:
-    """`sft-data` on a data config alone (the `sftflow data` command)."""
+    """`sft-data` on a data config alone, into `work_dir`."""
     return sft_data(config=SFTConfig(work_dir=str(Path(work_dir).resolve()), data=config), force=force)

@@ -33,7 +33,13 @@ def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, sp
             f"dropped {dropped}); check that the sources hold records (an empty file yields none) and the rejects "
             "files of the render and spans stages"
         )
-    arrays, stats = plan(np.asarray(dataset.lengths), dataset.trainable_target_counts(), config, dataset.source)
+    return plan_into(out_dir, np.asarray(dataset.lengths), dataset.trainable_target_counts(), config, dataset.source)
+
+
+def plan_into(out_dir: Path, doc_lengths: np.ndarray, target_counts: np.ndarray, config: PlanConfig, describe):
+    """`out_dir/plan.npz` and `out_dir/stats.json` for documents of these lengths and trained-target counts;
+    `describe(doc)` names a document in errors."""
+    arrays, stats = plan(doc_lengths, target_counts, config, describe)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, out_dir / "plan.npz")
     write_atomic(out_dir / "stats.json", stats.model_dump_json(indent=2))

@@ -1,4 +1,5 @@
-"""`sftflow plan` run as scripts call it (the data command is tested in test_data_flow.py)."""
+"""The stage commands as scripts call them. One data → plan → train run through the console script (a process each,
+~15 s of start-up apiece) is shared by every test that can use it; what needs no Prefect flow runs in-process."""
 
 from __future__ import annotations
 
@@ -7,18 +8,87 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from sftflow.flows.cli import app
 from sftflow.tasks.demo import write_demo
 from tests.flows.conftest import run_cli
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """`sftflow data` in the README's form (two sources, one of them empty), then `plan` and `train` on a config file
+    in another folder than the working directory: its relative `work_dir` resolves against the file, and each
+    command's default input is the previous one's default output there."""
+    root = tmp_path_factory.mktemp("cli")
+    demo = write_demo(root / "demo", n=80)
+    empty = root / "empty.jsonl"
+    empty.write_text("")
+    (root / "conf").mkdir()
+    config = root / "conf" / "run.yaml"
+    config.write_text("work_dir: ../work\nplan: {tokens_per_rank: 512}\n")
+    work = root / "work"
+    data = run_cli(
+        "data", "--source", str(demo["data"]), "--source", str(empty), "--tokenizer", str(demo["tokenizer"]),
+        "--out", str(work / "data"),
+    )  # fmt: skip
+    plan = run_cli("plan", "--config", str(config), "--num-ranks", "2", "--stats")
+    train = run_cli(
+        "train", "--config", str(config), "--nproc", "2", "--max-steps", "2", "--checkpoint-every", "1",
+        "--lr", "1e-3", "--set", "train.keep_last=3",
+    )  # fmt: skip
+    return dict(root=root, config=config, work=work, empty=empty, data=data, plan=plan, train=train)
+
+
+def test_stage_commands_chain_through_the_config_work_folder(pipeline):
+    work = pipeline["work"]
+    for name in ("data", "plan", "train"):
+        assert pipeline[name].returncode == 0, (name, pipeline[name].stderr[-3000:])
+    assert f"{pipeline['empty']}: no records (an empty file?)" in pipeline["data"].stderr
+    assert json.loads(pipeline["data"].stdout)["docs_train"] > 0
+    assert json.loads(pipeline["plan"].stdout)["num_steps"] > 0
+    with np.load(work / "plan" / "plan.npz") as plan:
+        assert int(plan["num_ranks"]) == 2 and int(plan["tokens_per_rank"]) == 512  # flag, and the config file
+    run = work / "run"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-2"
+    config = json.loads((run / "run.json").read_text())["config"]
+    assert config["lr"] == 1e-3 and config["keep_last"] == 3 and config["nproc"] == 2  # flags and --set
+
+
+def test_train_resumes_and_eval_reports(pipeline):
+    config = str(pipeline["config"])
+    # Rerunning into a run folder that holds checkpoints needs --resume; with it, training continues from `latest`
+    # (here on 1 process: the 2-rank checkpoint reshards).
+    result = invoke("train", "--config", config, "--max-steps", "3")
+    assert result.exit_code == 2 and "--resume" in result.output
+    result = invoke("train", "--config", config, "--max-steps", "3", "--resume")
+    assert result.exit_code == 0, result.output[-3000:]
+    run = pipeline["work"] / "run"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+    report = pipeline["root"] / "report"
+    result = invoke(
+        "eval", "--config", config, "--base", "tiny-llama", "--out", str(report),
+        "--set", "eval.max_docs=8", "--set", "eval.max_generations=2",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "| tuned |" in result.output and "| base |" in result.output
+    assert (report / "report.md").is_file()
 
 
 def test_plan_from_lengths_prints_the_stats_contract(tmp_path):
     lengths = np.random.default_rng(0).integers(16, 800, size=5000)
     np.save(tmp_path / "lengths.npy", lengths)
     args = ["plan", "--lengths", str(tmp_path / "lengths.npy"), "--num-ranks", "4", "--tokens-per-rank", "2048"]
-    result = run_cli(*args, "--out", str(tmp_path / "plan"), "--stats-json")
-    assert result.returncode == 0, result.stderr
-    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    result = invoke(*args, "--out", str(tmp_path / "plan"), "--stats-json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output.strip().splitlines()[-1])
     keys = {"efficiency", "token_imbalance", "cost_imbalance", "num_steps", "num_rows", "planning_seconds"}
     keys.add("dropped_docs")
     assert keys <= set(stats)
@@ -28,70 +98,33 @@ def test_plan_from_lengths_prints_the_stats_contract(tmp_path):
         assert sorted(plan["doc_ids"].tolist()) == list(range(len(lengths)))
 
 
-def test_plan_from_data_and_bad_arguments(tmp_path):
-    demo = write_demo(tmp_path / "demo", n=80)
-    data = tmp_path / "data"
-    result = run_cli("data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data))
-    assert result.returncode == 0, result.stderr
-    result = run_cli("plan", "--data", str(data), "--tokens-per-rank", "512", "--out", str(tmp_path / "p"), "--stats")
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "p" / "plan.npz").is_file()
-    assert json.loads(result.stdout)["num_steps"] > 0
+def test_bad_arguments_are_one_line_naming_the_way_out(pipeline, tmp_path):
+    config, data = str(pipeline["config"]), str(pipeline["work"] / "data")
 
-    result = run_cli("plan", "--tokens-per-rank", "512", "--out", str(tmp_path / "q"))
-    assert result.returncode == 2 and "exactly one of --data" in result.stderr
-    result = run_cli("plan", "--data", str(data), "--mode", "zigzag", "--out", str(tmp_path / "q"))
-    assert result.returncode == 2 and "mode" in result.stderr and "Traceback" not in result.stderr
+    def one_line_error(result, *expected: str) -> None:
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        for text in expected:
+            assert text in result.output, result.output
 
-
-def test_train_and_eval_commands(tmp_path):
-    """data → plan → train → train --resume → eval through the console script, as the CLI contract spells them."""
-    demo = write_demo(tmp_path / "demo", n=80)
-    data, plan, run = tmp_path / "data", tmp_path / "plan", tmp_path / "run"
-    assert (
-        run_cli(
-            "data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data)
-        ).returncode
-        == 0
-    )
-    args = ["plan", "--data", str(data), "--num-ranks", "2", "--tokens-per-rank", "512", "--out", str(plan)]
-    assert run_cli(*args).returncode == 0
-    train = ["train", "--data", str(data), "--plan", str(plan), "--model", "tiny-llama", "--out", str(run)]
-    result = run_cli(*train, "--nproc", "2", "--max-steps", "2", "--checkpoint-every", "1", "--lr", "1e-3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step-2"
-
-    # Rerunning into a run folder that holds checkpoints needs --resume; with it, training continues from `latest`
-    # (here on 1 process: the 2-rank checkpoint reshards).
-    result = run_cli(*train, "--max-steps", "3")
-    assert result.returncode == 2 and "--resume" in result.stderr
-    result = run_cli(*train, "--max-steps", "3", "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-
-    result = run_cli(
-        "eval", "--model", str(run / "hf"), "--data", str(data), "--base", "tiny-llama", "--out", str(tmp_path / "eval")
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "| tuned |" in result.stdout and "| base |" in result.stdout
-    assert (tmp_path / "eval" / "report.md").is_file()
+    one_line_error(invoke("plan", "--data", data, "--lengths", "x.npy"), "one of --data DIR or --lengths")
+    one_line_error(invoke("plan", "--config", config, "--set", "plan.mode=zigzag"), "'plan.mode'")
+    one_line_error(invoke("plan", "--set", "plan.tokens_per_rnak=8"), "did you mean 'plan.tokens_per_rank'?")
+    one_line_error(invoke("train", "--set", "train.lr"), "expected KEY=VALUE")
+    one_line_error(invoke("train", "--keep-last", "3"), "--set train.keep_last=VALUE")
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text("work_dir: nothing-here\n")
+    missing = tmp_path / "nothing-here" / "data"
+    one_line_error(invoke("train", "--config", str(elsewhere)), f"{missing}: neither a `sftflow data` output")
+    one_line_error(invoke("data", "--config", str(elsewhere)), "--source and --tokenizer are required")
 
 
-def test_messages_say_where_and_what_to_do(tmp_path, caplog):
+def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
     """Vague and silent cases of the first hour: each names the file or key and the way out."""
-    import logging
-
-    from typer.testing import CliRunner
-
-    from sftflow.flows.cli import app
     from sftflow.flows.config import SFTConfig
+    from sftflow.tasks.index import build_index
     from sftflow.tasks.plan import PlanConfig
     from sftflow.tasks.plan_stage import plan_from_index
-
-    runner = CliRunner()
-    result = runner.invoke(app, ["train", "--plan", str(tmp_path)])
-    assert result.exit_code == 2 and "--data is required" in result.output and "mock" not in result.output
 
     config = tmp_path / "typo.yaml"
     config.write_text("demo: {records: 50}\nplan: {tokens_per_rnak: 512}\ntrain: {lerning_rate: 1e-3}\nevla: {}\n")
@@ -103,61 +136,45 @@ def test_messages_say_where_and_what_to_do(tmp_path, caplog):
     assert "unknown key 'evla'; did you mean 'eval'?" in message
     assert "unknown key 'train.lerning_rate'; expected one of" in message and " lr," in message
 
-    demo = write_demo(tmp_path / "demo", n=40)
-    data = tmp_path / "data"
-    assert (
-        run_cli(
-            "data", "--source", str(demo["data"]), "--tokenizer", str(demo["tokenizer"]), "--out", str(data)
-        ).returncode
-        == 0
-    )
+    data = pipeline["work"] / "data"
     index = json.loads((data / "data.json").read_text())["index"]["path"]
     with pytest.raises(
         ValueError, match=r"conversations\.jsonl:\d+ has \d+ tokens, more than a row holds .*--max-length"
     ):
         plan_from_index(Path(index).parent, PlanConfig(num_ranks=1, tokens_per_rank=8), tmp_path / "plan")
     shard = next(data.glob("**/shard.pbin"))
-    listing = runner.invoke(app, ["inspect", str(shard), "-n", "1"])
+    listing = invoke("inspect", str(shard), "-n", "1")
     assert listing.exit_code == 0 and "pass --tokenizer" in listing.output
 
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    with caplog.at_level(logging.WARNING):
-        result = run_cli(
-            "data", "--source", str(empty), "--tokenizer", str(demo["tokenizer"]), "--out", str(tmp_path / "e")
-        )
-    assert result.returncode == 0
-    assert f"{empty}: no records (an empty file?)" in result.stderr
-    index = json.loads((tmp_path / "e" / "data.json").read_text())["index"]["path"]
+    build_index([], tmp_path / "empty-index")
     with pytest.raises(ValueError, match=r"nothing to plan: the dataset index .* has no train documents .*empty file"):
-        plan_from_index(Path(index).parent, PlanConfig(num_ranks=1, tokens_per_rank=512), tmp_path / "plan2")
+        plan_from_index(tmp_path / "empty-index", PlanConfig(num_ranks=1, tokens_per_rank=512), tmp_path / "plan2")
 
 
-def test_the_cli_and_the_config_share_their_defaults():
+def test_every_default_is_the_config_models_own():
+    """An option that sets a config field has no default of its own; its help shows the field's."""
     import inspect
 
-    from sftflow.flows.cli import plan
-    from sftflow.flows.config import PlanSection
+    from sftflow.flows import cli
+    from sftflow.flows.config import config_field
 
-    defaults = {name: p.default for name, p in inspect.signature(plan).parameters.items()}
-    for name in ("tokens_per_rank", "epochs", "seed", "mode", "drop_last"):
-        assert defaults[name] == PlanSection.model_fields[name].default, name
+    for command in (cli.data, cli.plan, cli.train, cli.eval_command, cli.run):
+        for name, key in cli._config_keys(command).items():
+            assert inspect.signature(command).parameters[name].default in (None, False), (command.__name__, name)
+            config_field(key)  # a real field
+    lines = {line.split()[1]: line for line in invoke("plan", "--help").output.splitlines() if "--" in line[:8]}
+    assert "plan.tokens_per_rank, default 2048" in lines["--tokens-per-rank"]
 
 
 def test_help_shows_what_options_take_not_their_types():
     """No `<str>`/`<bool>` tags: a flag shows nothing, a value a word (N, PATH, TEXT) or its choices, and options
     a command needs without a config file say so."""
-    from typer.testing import CliRunner
-
-    from sftflow.flows.cli import app
-
-    runner = CliRunner()
     for command in ("data", "plan", "train", "eval", "inspect", "run", "promote", "server"):
-        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+        result = invoke(command, "--help")
         assert result.exit_code == 0, result.output
         assert "<str>" not in result.output and "<bool>" not in result.output and "<int>" not in result.output
-    data_help = runner.invoke(app, ["data", "--help"], env={"COLUMNS": "200"}).output
-    assert "--mask-policy" in data_help and "generation|roles" in data_help
+    data_help = invoke("data", "--help").output
+    assert "--task-runner" in data_help and "threads|processes|dask" in data_help
     assert "(required without --config)" in data_help
     lines = {line.split()[1]: line for line in data_help.splitlines() if line.strip("│ ").startswith("--")}
     assert " N " in lines["--max-length"] and "TEXT" not in lines["--force"]
