@@ -24,9 +24,21 @@ TINY_CORPUS = [
 ]
 
 
+def pytest_configure(config):
+    # Under `--dist loadfile`, xdist by default hands out files with the most tests first, which puts the costliest
+    # files (a few long end-to-end tests each) last, leaving one worker running them while the other idles. Keep the
+    # order made below instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # Files holding `slow` tests first (a stable sort: each file's tests stay together, in order), so that on two
+    # workers the long files start at once and the many short ones fill in around them at the end.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -46,6 +46,7 @@ def pipeline(tmp_path_factory):
     return dict(root=root, config=config, work=work, empty=empty, data=data, plan=plan, train=train)
 
 
+@pytest.mark.slow  # builds the pipeline fixture: data, plan and a training run through the CLI
 def test_stage_commands_chain_through_the_config_work_folder(pipeline):
     work = pipeline["work"]
     for name in ("data", "plan", "train"):

@@ -14,6 +14,8 @@ from sftflow.tasks.demo import write_demo
 from sftflow.tasks.tiny import builtin_chatml_template
 from tests.flows.conftest import run_counts, task_states
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict[str, Path]:

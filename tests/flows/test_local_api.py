@@ -17,6 +17,8 @@ import pytest
 from sftflow.flows.local_api import read_record, state_dir, stop_server
 from sftflow.tasks.demo import write_demo
 
+pytestmark = pytest.mark.slow
+
 SLOW_START_S = 21  # Prefect's ephemeral server gets 20 s
 
 SITECUSTOMIZE = f"""

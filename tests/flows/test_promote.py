@@ -19,6 +19,8 @@ from sftflow.flows.promote import sft_promote
 from sftflow.tasks.registry import Registry
 from sftflow.tasks.train.launch import TrainResult
 
+pytestmark = pytest.mark.slow
+
 RECORDS = 160
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 

@@ -14,6 +14,8 @@ from sftflow.flows.config import SFTConfig
 from sftflow.flows.sft import sft
 from tests.flows.conftest import RecordedTaskRuns
 
+pytestmark = pytest.mark.slow
+
 DEMO_RECORDS = 160
 
 
