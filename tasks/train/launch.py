@@ -156,8 +156,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-class _Cancelled(BaseException):
-    """SIGTERM reached the launcher (a cancelled flow run)."""
+class _Terminated(BaseException):
+    """SIGTERM reached a launcher that had no handler of its own for it (a plain process, not a Prefect run)."""
 
 
 def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, on_tick=lambda: None) -> int:
@@ -176,10 +176,14 @@ def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, o
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     previous = None
-    if threading.current_thread() is threading.main_thread():
+    # SIGTERM's default action would end this process without the `finally` below, leaving torchrun (in a session
+    # of its own) running: raise instead. A handler already installed is kept: Prefect's raises its
+    # `TerminationSignal`, which the `finally` handles as well, and a flow run only reports a cancel as Cancelled
+    # (not Crashed) when that signal, raised by that handler, reaches its engine.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
 
         def on_sigterm(signum, frame):
-            raise _Cancelled()
+            raise _Terminated()
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
