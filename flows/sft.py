@@ -18,6 +18,7 @@ from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
 from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
+from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
 from sftflow.tasks.manifests import EvalReport, PromoteResult
 from sftflow.tasks.plan_stage import PlanManifest
@@ -60,19 +61,23 @@ def sft(
     with work_dir_lock(Path(cfg.work_dir).resolve()):
         data = sft_data(config=cfg, force="data" in force)
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
-        trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan)
+        with progress_in_parent_log():
+            trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
         promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
     result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion)
     from prefect.artifacts import create_markdown_artifact
 
     # On the parent run, where a deployment's run page opens: the stage runs carry the details.
-    create_markdown_artifact(summary_markdown(result), key="sft-summary", description="sft: data, plan, train, eval")
+    loss_curve_artifact(report.plot_path)
+    summary = summary_markdown(result) + "\n\n## Stage runs\n\n" + "\n".join(stage_links_markdown())
+    create_markdown_artifact(summary, key="sft-summary", description="sft: data, plan, train, eval")
     return result
 
 
 def summary_markdown(result: SFTResult) -> str:
-    """The run at a glance: what each stage made, the eval table and the loss curve (inline, so the UI shows it)."""
+    """The run at a glance: what each stage made, the eval table and the loss curve (inline: the UI renders a data:
+    URL image in markdown, checked in headless Chromium by tests/deployments)."""
     import base64
 
     s, t, m = result.plan.stats, result.train, result.eval.metrics

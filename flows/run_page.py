@@ -1,0 +1,133 @@
+"""What the `sft` run's page in Prefect's UI shows, where `prefect deployment run sft/full` sends people.
+
+The stage flows (`sft-data`, `sft-plan`, `sft-train`, `sft-eval`) are subflow runs with pages, logs and artifacts of
+their own, which the parent's page does not show. So the parent run gets:
+
+- its training progress: `progress_in_parent_log()` copies the train task's step lines into the parent's log (the
+  first, the last, and one each `every_s` seconds between), so `--watch` and the parent's Logs tab show them;
+- the loss curve as an image artifact (`loss_curve_artifact`);
+- links from its summary to every stage run and to each artifact those runs made (`stage_links_markdown`).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
+
+# `sftflow.tasks.train.metrics.Metrics.progress_line`: "[train] |####----| step 12/400 loss ..."
+_STEP = re.compile(r"^\[train\] \|[#-]*\| step (\d+)/(\d+) ")
+
+
+class _ProgressToParent(logging.Handler):
+    """Re-sends the train task's progress lines, logged on the thread that runs the parent flow, as the parent run's
+    logs. They go to the API only: the terminal already shows the task's own line."""
+
+    def __init__(self, flow_run_id: UUID, every_s: float):
+        from prefect.logging.handlers import APILogHandler
+
+        super().__init__()
+        self.flow_run_id, self.every_s = flow_run_id, every_s
+        self.thread = threading.get_ident()
+        self.api = APILogHandler()
+        self.last_sent = float("-inf")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread != self.thread:  # another flow run of the same process
+            return
+        found = _STEP.match(record.getMessage())
+        if found is None:
+            return
+        step, total = int(found.group(1)), int(found.group(2))
+        now = time.monotonic()
+        if step not in (1, total) and now - self.last_sent < self.every_s:
+            return
+        self.last_sent = now
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.name, copy.flow_run_id, copy.task_run_id = "prefect.flow_runs", self.flow_run_id, None
+        # Named after the stage; and `prefect ... --watch` prints through rich, which would eat "[train]" as markup.
+        copy.msg, copy.args = "sft-train " + record.getMessage().removeprefix("[train] "), None
+        self.api.handle(copy)
+
+
+@contextmanager
+def progress_in_parent_log(every_s: float = 30.0) -> Iterator[None]:
+    """Inside a flow run: copy the training progress that runs below it log into its own log."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        yield
+        return
+    handler = _ProgressToParent(context.flow_run.id, every_s)
+    task_logs = logging.getLogger("prefect.task_runs")
+    task_logs.addHandler(handler)
+    try:
+        yield
+    finally:
+        task_logs.removeHandler(handler)
+
+
+def loss_curve_artifact(plot_path: str | None) -> UUID | None:
+    """The loss-curve PNG as an image artifact. The UI shows an image artifact as `<img src=URL>`, and the PNG lies
+    on the machine that ran the flow, which the browser cannot reach: a `data:` URL carries the image itself."""
+    if plot_path is None or not Path(plot_path).is_file():
+        return None
+    from prefect.artifacts import create_image_artifact
+
+    encoded = base64.b64encode(Path(plot_path).read_bytes()).decode()
+    return create_image_artifact(
+        image_url=f"data:image/png;base64,{encoded}", key="sft-loss-curve", description="training and held-out loss"
+    )
+
+
+def stage_links_markdown() -> list[str]:
+    """Markdown lines linking to each subflow run of the current flow run and to the artifacts each one made
+    (its tasks' included); empty outside a flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.context import FlowRunContext
+    from prefect.settings import PREFECT_UI_URL
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return []
+    ui = (PREFECT_UI_URL.value() or "").rstrip("/")
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[context.flow_run.id])),
+            sort=FlowRunSort.START_TIME_ASC,
+        )
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id for run in children]))
+        )
+        flow_names = {flow_id: client.read_flow(flow_id).name for flow_id in {run.flow_id for run in children}}
+    by_run: dict[UUID, list] = {}
+    for artifact in artifacts:
+        by_run.setdefault(artifact.flow_run_id, []).append(artifact)
+    lines = []
+    for run in children:
+        state = run.state.name if run.state else "unknown"
+        made = [
+            _link(artifact.key or artifact.type or "artifact", ui, f"artifacts/artifact/{artifact.id}")
+            for artifact in sorted(by_run.get(run.id, []), key=lambda a: a.key or "")
+        ]
+        line = f"- {_link(flow_names[run.flow_id], ui, f'runs/flow-run/{run.id}')} ({state})"
+        lines.append(line + (": " + ", ".join(made) if made else ""))
+    return lines
+
+
+def _link(text: str, ui: str, path: str) -> str:
+    return f"[{text}]({ui}/{path})" if ui else f"`{text}`"
