@@ -257,13 +257,13 @@ def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
 
         import torch
 
-        if config.device == "cpu" or not torch.cuda.is_available():
-            raise ValueError("train.quantize: nf4 (QLoRA) runs on CUDA GPUs only; this run has none")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError("train.quantize: nf4 (QLoRA) needs bitsandbytes: pip install 'sftflow[qlora]'")
-        raise ValueError(
-            "train.quantize: nf4 (QLoRA) is not supported yet; train LoRA on the bf16 base (quantize: none)"
+        from sftflow.tasks.train.quantize import nf4_refusal
+
+        refusal = nf4_refusal(
+            config, cuda=torch.cuda.is_available(), bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None
         )
+        if refusal is not None:
+            raise ValueError(refusal)
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
         verify_checksums(checkpoint)  # before any reader unpickles its .metadata

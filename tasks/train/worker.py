@@ -51,6 +51,7 @@ from sftflow.tasks.train.model import (
     decoder_layers,
     model_batch,
 )
+from sftflow.tasks.train.quantize import export_state_dict, quantize_base
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
@@ -92,17 +93,23 @@ def parallelize(
     on_meta: bool = False,
     lora: bool = False,
     seed: int = 0,
+    quantize: bool = False,
 ):
     """The training module (`CausalLMLoss` root), its optimizer and the `model` checkpoint component, for `parallel`
     (resolved): FSDP2 with fused AdamW, or one device with bf16 weights and `MasterAdamW`.
 
     A model `on_meta` gets its storage here, after sharding, and its weights from `weights` (each rank its rows);
     with `weights` None it is left for a checkpoint to fill. With `lora`, the frozen base is held in `param_dtype`,
-    the adapters and their fused AdamW stay fp32, and checkpoints hold the adapters only."""
+    the adapters and their fused AdamW stay fp32, and checkpoints hold the adapters only; with `quantize` too (one
+    device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
+    if quantize and (parallel != "single" or not lora):
+        raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
     if lora:
         freeze_in_dtype(lm, param_dtype)
     if parallel == "single":
-        if on_meta:
+        if quantize:
+            quantize_base(lm, env.device, weights, param_dtype, seed=seed)
+        elif on_meta:
             materialize(lm, lm, env.device, weights, seed=seed)
         if lora:
             lm.to(env.device)
@@ -352,9 +359,11 @@ def build_run(run_dir: Path) -> Run:
     # Weights a checkpoint is about to replace are not read (a LoRA checkpoint holds only the adapters).
     weights = None if restores_model(checkpoint_c) and config.lora is None else weights
     on_meta = any(p.is_meta for p in lm.parameters())
+    n_params, n_dense = count_params(lm)  # before a 4-bit base packs two weights into each byte
     model, optimizer, model_state = parallelize(
-        lm, env, parallel, param_dtype, optim_c, weights, on_meta, lora=config.lora is not None, seed=config.seed
-    )
+        lm, env, parallel, param_dtype, optim_c, weights, on_meta, lora=config.lora is not None, seed=config.seed,
+        quantize=config.quantize == "nf4",
+    )  # fmt: skip
     # The learning-rate curve spans the whole plan (or `schedule_steps`), whatever `max_steps` stops at: stopping early
     # and resuming with another `max_steps` never bends it.
     schedule_c = cfg.schedule_config(config, config.schedule_steps or plan.num_steps)
@@ -368,7 +377,6 @@ def build_run(run_dir: Path) -> Run:
     }
     checkpointer = Checkpointer(checkpoint_c, states, is_main=env.is_main)
     how = checkpointer.restore()
-    n_params, n_dense = count_params(lm)
     metrics = MetricsLogger(
         cfg.metrics_config(config, default_peak_flops(env.device, config.peak_tflops)),
         is_main=env.is_main,
@@ -474,7 +482,10 @@ def train(run_dir: Path) -> None:
 def export_run(run: Run) -> None:
     """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 from the gathered weights."""
     config = run.config
-    state_dict = run.model_state.full_state_dict()
+    if config.quantize == "nf4":  # the adapters over the base read again, not the 4-bit weights
+        state_dict = export_state_dict(run.lm, run.model_state.state_dict(), config.model, config.model_overrides)
+    else:
+        state_dict = run.model_state.full_state_dict()
     if run.env.is_main:
         out = run.run_dir / "hf"
         if config.lora is not None:
