@@ -17,7 +17,7 @@ Backends (``SFTFLOW_ATTENTION=<name>`` forces one; otherwise the first available
 | ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU); head dim <= 256 by default |
 | ``flash_attn`` | the flash-attn package, CUDA, fp16/bf16          |
 | ``torch``    | ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), CUDA, fp16/bf16 |
-| ``sdpa``     | nothing: SDPA with a (T, T) block-diagonal causal mask; the CPU reference (memory O(H T^2)) |
+| ``sdpa``     | nothing: SDPA on each document alone; the CPU reference (a Python loop over documents) |
 """
 
 from __future__ import annotations
@@ -119,28 +119,27 @@ def document_causal_mask(
 
 
 def _attention_sdpa(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
-    """The documents side by side, padded to the longest (on the right), through SDPA's causal path: work and memory
-    O(N L^2) for N documents of up to L tokens, where one (T, T) block-diagonal mask would cost O(T^2) (on a CPU,
-    half of a small model's step). Right padding never reaches a real query: it sits after every real key."""
-    group = q_THD.shape[1] // k_TKD.shape[1]
-    # Split, pad and concatenate (copies whose backward is slicing), not a gather by index, whose backward is a
-    # scatter-add: a third of this function's time on a CPU. The lengths come to the host: this is the reference.
+    """Each document through SDPA's causal path on its own: work O(sum of L^2) and no padding. Padding the documents
+    to the longest made the copies into and out of the padded batch (each document's backward re-copies the whole
+    padded gradient) cost as much as the attention itself on a CPU, and half of the padded work was on pads; one
+    (T, T) block-diagonal mask costs O(T^2). A document is a view of the row (`split`), and the row is one `cat` of the
+    outputs, so the only copies are one per direction. The lengths come to the host: this is the reference."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-
-    def padded(x):
-        return torch.nn.utils.rnn.pad_sequence(torch.split(x, lengths), batch_first=True).transpose(1, 2)
-
-    q, k, v = padded(q_THD), padded(_expand_kv(k_TKD, group)), padded(_expand_kv(v_TKD, group))
-    if window is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        pos = torch.arange(q.shape[2], device=q.device)
+    gqa = q_THD.shape[1] != k_TKD.shape[1]
+    visible = None
+    if window is not None:
+        pos = torch.arange(max(lengths), device=q_THD.device)
         visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    # (N * L, H, D), then each document's rows as slices: a select's backward would be a zero-filled copy per document.
-    n_docs, heads, longest, dim = o.shape
-    o = o.transpose(1, 2).reshape(n_docs * longest, heads, dim)
-    return torch.cat([o[i * longest : i * longest + n] for i, n in enumerate(lengths)])
+    outs = []
+    for q, k, v in zip(*(torch.split(x, lengths) for x in (q_THD, k_TKD, v_TKD)), strict=True):
+        n = q.shape[0]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, n, D)
+        if visible is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:n, :n], scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
 
 
 def _attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
