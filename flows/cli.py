@@ -219,7 +219,16 @@ def data(
     template: Annotated[
         str | None, _option("data.render.template", help="built-in name (chatml, llama3, ...), .jinja file or auto")
     ] = None,
+    format: Annotated[str | None, _option("data.render.format", help="record format of the sources")] = None,
+    mask_policy: Annotated[
+        str | None, _option("data.render.mask_policy", help="what trains: generation tags or roles")
+    ] = None,
+    bos: Annotated[str | None, _option("data.spans.bos", help="add BOS when the template did not")] = None,
+    eos: Annotated[str | None, _option("data.spans.eos", help="add a trained EOS")] = None,
     max_length: Annotated[int | None, _option("data.spans.max_length", help="longest document in tokens")] = None,
+    on_bad_record: Annotated[
+        str | None, _option("data.render.on_bad_record", help="stop on a bad record, or count it in a rejects file")
+    ] = None,
     tokenizer_backend: Annotated[
         str | None, _option("data.spans.tokenizer_backend", help="who tokenizes (auto: tiktoken when exact)")
     ] = None,

@@ -179,3 +179,28 @@ def test_help_shows_what_options_take_not_their_types():
     assert "(required without --config)" in data_help
     lines = {line.split()[1]: line for line in data_help.splitlines() if line.strip("│ ").startswith("--")}
     assert " N " in lines["--max-length"] and "TEXT" not in lines["--force"]
+
+
+def test_data_keeps_the_documented_command_line(tmp_path):
+    """`sftflow data --source --tokenizer [--template] [--format] [--mask-policy] [--bos] [--eos] [--max-length]
+    [--on-bad-record] --out`: scripts depend on these flags; each sets its config field."""
+    from sftflow.flows import cli
+
+    values = dict.fromkeys(cli._config_keys(cli.data)) | dict(
+        source=["a.jsonl"],
+        tokenizer="tok",
+        template="chatml",
+        format="sharegpt",
+        mask_policy="roles",
+        bos="never",
+        eos="always",
+        max_length=512,
+        on_bad_record="reject",
+        set=None,
+        config=None,
+    )
+    data = cli._run_config(cli.data, values).data
+    assert (data.render.format, data.render.mask_policy, data.render.on_bad_record) == ("sharegpt", "roles", "reject")
+    assert (data.spans.bos, data.spans.eos, data.spans.max_length) == ("never", "always", 512)
+    bad = invoke("data", "--source", "a.jsonl", "--tokenizer", "tok", "--eos", "sometimes", "--out", str(tmp_path))
+    assert bad.exit_code == 2 and "data.spans.eos" in bad.output and "'always' or 'never'" in bad.output, bad.output
