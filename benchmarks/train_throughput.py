@@ -39,6 +39,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **L** / **Lp**: LoRA, rank 16 on every linear layer of the decoder: L is D with `train.lora` (the worker's
   `apply_lora`, frozen bf16 base, fp32 adapters and their fused AdamW); Lp is the common peer setup (`mode_lora_peer`:
   `peft.get_peft_model` on the bf16 model, autocast, torch `varlen_attn`, Liger's fused CE, compiled layers).
+- **Q**: QLoRA, L with `train.quantize: nf4` (the frozen base's linear layers in bitsandbytes NF4 with double
+  quantisation, bf16 compute, the 4-bit matmuls outside the compiled graphs; `sftflow.tasks.train.quantize`).
 - **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
   longer rows cost in time for the memory they save.
 
@@ -118,7 +120,7 @@ PRESETS = {
 }
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
-MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp")
+MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
@@ -714,6 +716,7 @@ class Bench:
         parallel: str = "auto",
         checkpointing: str = "off",
         lora: bool = False,
+        quantize: bool = False,
     ) -> dict:
         """The worker's step: `build_model`, the worker's `compile` and `parallel` settings (`parallelize`), and
         `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
@@ -745,7 +748,9 @@ class Bench:
         apply_activation_checkpointing(decoder_layers(lm), checkpointing)  # after compiling, as the worker does
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
         parallel = resolve_parallel(parallel, env)
-        model, optimizer, _ = parallelize(lm, env, parallel, self.param_dtype, self.optim_c, lora=lora)
+        model, optimizer, _ = parallelize(
+            lm, env, parallel, self.param_dtype, self.optim_c, lora=lora, quantize=quantize
+        )
         scheduler = self.scheduler(optimizer)
         _, n_dense = count_params(lm)
         metrics_path = Path(args.tmp) / f"metrics-{name}.jsonl"
@@ -815,6 +820,7 @@ class Bench:
             f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}, "
             f"activation checkpointing {checkpointing}"
             + (f", LoRA r{LORA_RANK} all-linear" if lora else "")
+            + (", NF4 base (QLoRA)" if quantize else "")
             + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
         }
         try:
@@ -1214,6 +1220,7 @@ def main(argv=None) -> dict:
             "Dac": partial(bench.mode_d, "Dac", out, checkpointing="full"),
             "L": partial(bench.mode_d, "L", out, lora=True),
             "Lp": bench.mode_lora_peer,
+            "Q": partial(bench.mode_d, "Q", out, parallel="single", lora=True, quantize=True),
         }
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:
