@@ -1,29 +1,47 @@
 """Deployments for real: a `prefect server`, `deployments/serve.py`, and `prefect deployment run ... --watch`.
 
+One server and one served process for the whole module, and pipeline runs as small as a run can be (40 demo
+records, two training steps of a one-layer model, four eval documents): the tests prove the wiring, not the model.
 Everything runs on this machine's loopback address and is shut down by PID at the end (serve first, then server).
+The CLI is used where the test is about what a user types; the state checks read the REST API, each CLI call costing
+seconds of start-up on a small machine.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import crash_env
+from tests.deployments.browser import chromium_path, show_run_artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-PROMOTE = ("sft/promote", "sft-promote/gate")
+DEPLOYMENTS = (
+    "sft/full",
+    "sft-data/refresh",
+    "sft-plan/rerun",
+    "sft-train/rerun",
+    "sft-eval/rerun",
+    "sft/promote",
+    "sft-promote/gate",
+)
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+CRASH_LR = 7e-4  # the run with this learning rate crashes after step 1, once (tests/crash_shim); the others do not
+STEP_LINE = re.compile(r"\|[#-]*\| step (\d+)/(\d+) ")  # `Metrics.progress_line`
 
 
 def _free_port() -> int:
@@ -32,21 +50,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
+def _wait(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(1.0)
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -58,6 +69,37 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+@dataclass
+class Served:
+    """The server's API, the environment that reaches it, and the process that serves the deployments."""
+
+    api: str
+    env: dict
+    work: Path
+    log: Path
+
+    def get(self, path: str, body: dict | None = None):
+        """GET `path` of the API, or POST `body` to it."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.api + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.load(r)
+
+    def prefect(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(["prefect", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def state(self, flow_run_id: str) -> str | None:
+        state = self.get(f"/flow_runs/{flow_run_id}")["state"]
+        return state and state["type"]
+
+    def final_state(self, flow_run_id: str, timeout_s: float = 600) -> str:
+        final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+        return _wait(lambda: self.state(flow_run_id) in final and self.state(flow_run_id), timeout_s, "a final state")
+
+    def serve_log(self) -> str:
+        return self.log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +115,10 @@ def prefect_server(tmp_path_factory):
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
         PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
         DO_NOT_TRACK="1",
+        # The server streams logs to `--watch` only when asked to (the README's deployment section says so).
+        PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="true",
+        PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="true",
+        COLUMNS="250",  # `--watch` prints through rich, which wraps lines at the terminal width
     )
     log = open(home / "server.log", "w")
     server = subprocess.Popen(
@@ -82,101 +128,211 @@ def prefect_server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(api + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return server.poll() is not None
+
     try:
-        _wait(lambda: _healthy(api) or server.poll() is not None, 180, "prefect server")
+        _wait(healthy, 180, "prefect server")
         assert server.poll() is None, (home / "server.log").read_text()[-3000:]
-        yield env, home
+        yield env
     finally:
         _stop(server)
         log.close()
 
 
-def _final_state(prefect, flow_run_id: str, timeout_s: float = 600) -> str:
-    """Poll `prefect flow-run inspect` until the run is in a final state; return its type (COMPLETED, FAILED, ...)."""
-    final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-    state = None
-
-    def done() -> bool:
-        nonlocal state
-        out = prefect("flow-run", "inspect", flow_run_id, timeout=60).stdout
-        found = re.search(r"state_type=StateType\.([A-Z]+)", out)
-        state = found.group(1) if found else None
-        return state in final
-
-    _wait(done, timeout_s, f"flow run {flow_run_id} to finish")
-    return state
-
-
-@pytest.mark.slow
-def test_serve_and_run_deployments(prefect_server, tmp_path):
-    env, home = prefect_server
-    config = tmp_path / "tiny.yaml"
+@pytest.fixture(scope="module")
+def served(prefect_server, tmp_path_factory) -> Served:
+    root = tmp_path_factory.mktemp("served")
+    config = root / "tiny.yaml"
     config.write_text(
         yaml.safe_dump(
             {
-                "work_dir": str(tmp_path / "work"),
-                "train_retries": 0,  # so that the injected crash below fails the flow run
-                "demo": {"records": 120},
+                "work_dir": str(root / "work"),
+                "train_retries": 0,  # so that the injected crash fails the flow run
+                "demo": {"records": 40},
                 "plan": {"tokens_per_rank": 512},
-                "train": {"model_overrides": TINY, "lr": 1e-3, "max_steps": 4, "checkpoint_every": 2},
-                "eval": {"max_docs": 8, "max_generations": 2, "num_examples": 1},
+                "train": {"model_overrides": TINY, "lr": 1e-3, "max_steps": 2, "checkpoint_every": 1},
+                "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
             }
         )
     )
-    # The run with learning rate 7e-4 below crashes after step 3, once (tests/crash_shim); the others do not.
-    serve_env = crash_env("crash_after_step=3,lr=0.0007", dict(env, SFTFLOW_CONFIG=str(config)))
-    serve_log = open(tmp_path / "serve.log", "w")
+    serve_env = crash_env(f"crash_after_step=1,lr={CRASH_LR}", dict(prefect_server, SFTFLOW_CONFIG=str(config)))
+    log_path = root / "serve.log"
+    log = open(log_path, "w")
     serve = subprocess.Popen(
         [sys.executable, str(REPO / "deployments" / "serve.py")],
         env=serve_env,
-        cwd=tmp_path,
-        stdout=serve_log,
+        cwd=root,
+        stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    it = Served(api=prefect_server["PREFECT_API_URL"], env=prefect_server, work=root / "work", log=log_path)
 
-    def prefect(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run(["prefect", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    def all_served() -> bool:
+        assert serve.poll() is None, log_path.read_text()[-3000:]
+        names = {f"{d['flow_name']}/{d['name']}" for d in _deployments(it)}
+        return names >= set(DEPLOYMENTS)
 
     try:
-        served = lambda: prefect("deployment", "inspect", "sft-eval/rerun", timeout=60).returncode == 0  # noqa: E731
-        _wait(served, 120, "deployments")
-        listing = prefect("deployment", "ls", timeout=60).stdout
-        for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun", *PROMOTE):
-            assert name in listing, listing
-        refresh = prefect("deployment", "inspect", "sft-data/refresh", timeout=60).stdout
-        assert "0 3 * * *" in refresh  # the nightly schedule
-
-        full = prefect("deployment", "run", "sft/full", "--watch", "--watch-timeout", "900", timeout=960)
-        assert full.returncode == 0, full.stdout + full.stderr + (tmp_path / "serve.log").read_text()[-4000:]
-        assert "Completed" in full.stdout
-        assert (tmp_path / "work" / "eval.json").is_file()
-
-        # A stage rerun reads the latest upstream results: training is Cached, nothing upstream runs again.
-        rerun = prefect("deployment", "run", "sft-train/rerun", "--watch", "--watch-timeout", "300", timeout=360)
-        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-        log = (tmp_path / "serve.log").read_text()
-        assert "Finished in state Cached" in log
-
-        # A run whose training crashes fails; `prefect flow-run retry` reruns it and training resumes from its last
-        # checkpoint (the fault fires once per run folder), without redoing data or plan.
-        started = prefect("deployment", "run", "sft/full", "-p", "learning_rate=7e-4")
-        assert started.returncode == 0, started.stdout + started.stderr
-        flow_run_id = re.search(UUID, started.stdout).group(0)
-        assert _final_state(prefect, flow_run_id) == "FAILED"
-        retried = prefect("flow-run", "retry", flow_run_id, timeout=120)
-        assert retried.returncode == 0, retried.stdout + retried.stderr
-        assert _final_state(prefect, flow_run_id) == "COMPLETED", (tmp_path / "serve.log").read_text()[-4000:]
-        log = (tmp_path / "serve.log").read_text()
-        assert re.search(r"resumed all components from \S*step-2", log), log[-4000:]
+        _wait(all_served, 180, "the served deployments")
+        yield it
     finally:
         _stop(serve)
-        serve_log.close()
+        log.close()
+
+
+def _deployments(served: Served) -> list[dict]:
+    flows = {f["id"]: f["name"] for f in served.get("/flows/filter", {})}
+    return [dict(d, flow_name=flows.get(d["flow_id"])) for d in served.get("/deployments/filter", {})]
+
+
+@pytest.fixture(scope="module")
+def full_run(served) -> tuple[str, subprocess.CompletedProcess]:
+    """`prefect deployment run sft/full --watch`, once for the module: (flow run id, the command's result)."""
+    run = served.prefect("deployment", "run", "sft/full", "--watch", "--watch-timeout", "900", timeout=960)
+    assert run.returncode == 0, run.stdout + run.stderr + served.serve_log()[-4000:]
+    return re.search(UUID, run.stdout).group(0), run
+
+
+@pytest.mark.slow
+def test_serve_registers_every_deployment_and_the_nightly_schedule(served):
+    refresh = served.get("/deployments/name/sft-data/refresh")
+    assert [s["schedule"].get("cron") for s in refresh["schedules"]] == ["0 3 * * *"]
+
+
+@pytest.mark.slow
+def test_deployment_run_watch_shows_training_progress_and_completes(served, full_run):
+    flow_run_id, run = full_run
+    assert "Completed" in run.stdout
+    assert (served.work / "eval.json").is_file()
+    # The train task's step lines belong to the sft-train subflow run; the parent's log (which `--watch` follows)
+    # carries them too: the first and the last step at least.
+    parent_steps = {m.group(1, 2) for m in STEP_LINE.finditer(run.stdout)}
+    assert {("1", "2"), ("2", "2")} <= parent_steps, run.stdout
+    logs = served.get("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}})
+    assert any(log["message"].startswith("sft-train |") and log["task_run_id"] is None for log in logs), logs
+
+
+@pytest.mark.slow
+def test_parent_run_carries_the_loss_curve_and_links_to_the_stage_runs(served, full_run):
+    flow_run_id, _ = full_run
+    artifacts = served.get("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    by_key = {a["key"]: a for a in artifacts}
+    assert by_key["sft-loss-curve"]["type"] == "image"
+    assert by_key["sft-loss-curve"]["data"].startswith("data:image/png;base64,iVBORw0KGgo")  # a PNG's signature
+    summary = by_key["sft-summary"]["data"]
+    children = served.get("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}})
+    ui = served.api.removesuffix("/api")
+    for child in children:
+        assert f"]({ui}/runs/flow-run/{child['id']})" in summary
+    train_run = next(c for c in children if _flow_name(served, c) == "sft-train")
+    train_artifacts = served.get("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [train_run["id"]]}}})
+    assert {"train-metrics", "train-progress"} <= {a["key"] for a in train_artifacts}
+    for artifact in train_artifacts:
+        assert f"]({ui}/artifacts/artifact/{artifact['id']})" in summary
+
+
+def _flow_name(served: Served, flow_run: dict) -> str:
+    return served.get(f"/flows/{flow_run['flow_id']}")["name"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(chromium_path() is None, reason="needs chromium (apt-get install -y chromium)")
+def test_run_page_shows_the_loss_curve_and_eval_table_in_a_browser(served, full_run, tmp_path):
+    flow_run_id, _ = full_run
+    shown = show_run_artifacts(served.api.removesuffix("/api"), flow_run_id, tmp_path)
+    assert {"sft-summary", "sft-loss-curve"} <= set(shown["cards"]), shown["cards"]
+    image = shown["artifacts"]["sft-loss-curve"]["images"]
+    assert [i["width"] for i in image] == [700], image  # decoded: a broken image has width 0
+    summary = shown["artifacts"]["sft-summary"]
+    assert [i["width"] for i in summary["images"]] == [700]
+    assert any("tuned" in table and "perplexity" in table for table in summary["tables"]), summary["tables"]
+    assert "sft-train" in summary["text"]
+    assert (tmp_path / "run-artifacts.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_stage_rerun_reads_the_latest_results_and_is_cached(served, full_run):
+    rerun = served.prefect("deployment", "run", "sft-train/rerun", "--watch", "--watch-timeout", "300", timeout=360)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "Finished in state Cached" in served.serve_log()
+
+
+@pytest.mark.slow
+def test_failed_training_resumes_on_flow_run_retry(served):
+    # The fault fires once per run folder, so the retry's training resumes from the checkpoint of step 1, without
+    # redoing data or plan.
+    started = served.prefect("deployment", "run", "sft/full", "-p", f"learning_rate={CRASH_LR}")
+    assert started.returncode == 0, started.stdout + started.stderr
+    flow_run_id = re.search(UUID, started.stdout).group(0)
+    assert served.final_state(flow_run_id) == "FAILED"
+    retried = served.prefect("flow-run", "retry", flow_run_id, timeout=120)
+    assert retried.returncode == 0, retried.stdout + retried.stderr
+    assert served.final_state(flow_run_id) == "COMPLETED", served.serve_log()[-4000:]
+    assert re.search(r"resumed all components from \S*step-1", served.serve_log()), served.serve_log()[-4000:]
+
+
+@pytest.mark.slow
+def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
+    # Enough steps that training is still running when the cancel lands; the run is cancelled at its first step.
+    log_start = len(served.serve_log())
+    watch = subprocess.Popen(
+        ["prefect", "deployment", "run", "sft/full", "-p", "epochs=400", "-p", "max_steps=100000", "--watch"],
+        env=served.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+    reader.start()
+    try:
+        flow_run_id = _wait(lambda: re.search(UUID, "".join(lines)), 120, "the flow run id").group(0)
+        _wait(lambda: STEP_LINE.search("".join(lines)), 600, "training to start\n" + "".join(lines))
+        cancelled = served.prefect("flow-run", "cancel", flow_run_id, timeout=120)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        assert served.final_state(flow_run_id, timeout_s=120) == "CANCELLED"
+        watch.wait(timeout=120)
+    finally:
+        _stop(watch)
+    reader.join(timeout=10)
+    # The stage runs and the parent end Cancelled, none Crashed. (Prefect reports the task that was running, the
+    # train task, as Crashed on any cancel: its task engine treats the termination signal as a crash.)
+    children = served.get("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}})
+    train_run = next(c for c in children if _flow_name(served, c) == "sft-train")
+    assert train_run["state"]["type"] == "CANCELLED", train_run["state"]
+    log = served.serve_log()[log_start:]
+    # sft-train's engine, then sft's, saw the cancel for what it was
+    assert len(re.findall(r"Flow run '[^']*' - Flow run was cancelled\.", log)) == 2, log[-4000:]
+    assert not re.search(r"Flow run '[^']*' - (Crash detected|Finished in state Crashed)", log), log[-4000:]
+    assert "_Terminated" not in log and "_Cancelled" not in log, log[-4000:]
+    watched = "".join(lines)
+    assert "Cancelled" in watched and "Crashed" not in watched, watched[-4000:]
+    # No training worker of this run outlived it: the launcher killed torchrun's process group.
+    _wait(lambda: not _workers_under(served.work), 30, "the training workers to exit")
+
+
+def _workers_under(work: Path) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "sftflow.tasks.train.worker" in cmdline and str(work) in cmdline:
+            found.append(cmdline)
+    return found
 
 
 def test_prefect_yaml_deploys_to_a_process_pool(prefect_server):
-    env, _ = prefect_server
-    env = dict(env, SFTFLOW_HOME=str(REPO))
+    env = dict(prefect_server, SFTFLOW_HOME=str(REPO))
 
     def prefect(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["prefect", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -186,5 +342,5 @@ def test_prefect_yaml_deploys_to_a_process_pool(prefect_server):
     deployed = prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     listing = prefect("deployment", "ls").stdout
-    for name in ("sft/full", "sft-data/refresh", "sft-plan/rerun", "sft-train/rerun", "sft-eval/rerun", *PROMOTE):
+    for name in DEPLOYMENTS:
         assert name in listing, listing
