@@ -181,7 +181,7 @@ def test_qlora_trains_on_one_gpu_and_exports_against_the_original_base(setup, ca
 
     root, folder, base, dataset = setup
     gpu = base.model_copy(update={"device": "cuda", "compile": "auto", "dtype": "bf16"})
-    run(gpu, root / "lora", max_steps=1, quantize="none")
+    run(gpu, root / "lora", max_steps=1, quantize="none", compile="off")  # eager: compiled moves it ~1e-3 at most
     with caplog.at_level(logging.INFO, logger="sftflow.train"):
         run(gpu, root / "qlora", max_steps=12, export=True)
     assert "quantize: 14 frozen linear layers in NF4" in caplog.text
@@ -199,4 +199,4 @@ def test_qlora_trains_on_one_gpu_and_exports_against_the_original_base(setup, ca
     ids = torch.as_tensor(dataset[0][0])[None]
     with_adapter = PeftModel.from_pretrained(original.to(torch.bfloat16).float(), root / "qlora" / "hf" / "adapter")
     with torch.no_grad():
-        torch.testing.assert_close(with_adapter(ids).logits, merged(ids).logits, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(with_adapter(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
