@@ -249,3 +249,17 @@ def test_count_params_counts_the_tied_head_as_a_matmul(tied):
     # Untied: the head is its own (V, D) matrix and the embedding lookup is not a matmul. Tied: one shared matrix,
     # which the head uses as a matmul.
     assert dense == (total if tied else total - embed)
+
+
+def test_cpu_workers_sleep_rather_than_spin_unless_told(monkeypatch):
+    """A CPU worker's OpenMP threads wait passively (spinning ones collapse the step on a busy machine); a value the
+    user set is kept, and a GPU run is left to OpenMP's default."""
+    from sftflow.tasks.train.launch import _worker_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cpu = _config(device="cpu", num_threads=2)
+    env = _worker_env(cpu)
+    assert (env["OMP_WAIT_POLICY"], env["OMP_NUM_THREADS"]) == ("PASSIVE", "2")
+    assert "OMP_WAIT_POLICY" not in _worker_env(cpu.model_copy(update={"device": "cuda"}))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert _worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
