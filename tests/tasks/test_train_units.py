@@ -227,6 +227,34 @@ def test_timeout_kills_the_whole_process_group():
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("prefect_handler", [False, True])
+def test_sigterm_kills_the_whole_process_group(tmp_path, prefect_handler):
+    """A plain launcher (SIGTERM at its default) and one inside a Prefect flow run (Prefect's handler, which raises
+    `TerminationSignal` and is kept) both kill torchrun's group on SIGTERM before they exit."""
+    import signal
+    import subprocess
+    import sys
+
+    install = "from prefect.utilities.engine import capture_sigterm as scope" if prefect_handler else "scope = None"
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import contextlib, os, sys\n"
+        "from sftflow.tasks.train.launch import run_streaming\n"
+        f"{install}\n"
+        "with scope() if scope else contextlib.nullcontext():\n"
+        "    run_streaming(['bash', '-c', 'sleep 60 & echo $!; wait'], dict(os.environ), None,\n"
+        "                  lambda line: print(line, flush=True))\n"
+    )
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    grandchild = int(launcher.stdout.readline())
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
 def test_streaming_returns_the_exit_code_and_every_line():
     from sftflow.tasks.train.launch import run_streaming
 
