@@ -324,6 +324,25 @@ def register_baseline_attention(device: torch.device) -> str:
     return f"torch varlen_attn ({'enable_gqa' if gqa else 'repeated KV'}, {next(iter(causal))})"
 
 
+def peer_step(model, optimizer, scheduler, b: dict, device, grad_clip: float, autocast: bool) -> tuple[int, float]:
+    """One optimizer step of a baseline on one packed row (`LigerRoot` returns the loss sum), as a training loop of
+    its users runs it; `autocast`: bf16 autocast around the forward (fp32 weights)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss_sum = model(
+            input_ids=b["input_ids"].to(device, non_blocking=True),
+            position_ids=b["position_ids"].to(device, non_blocking=True),
+            labels=b["labels"].to(device, non_blocking=True),
+            cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
+            max_seqlen=int(b["max_seqlen"]),
+        )
+    (loss_sum / max(b["num_loss_tokens"], 1)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return batch_tokens(b)
+
+
 class LigerRoot(nn.Module):
     """FSDP root for B/C: the base model to the final hidden states, then Liger's fused linear CE (sum)."""
 
@@ -563,20 +582,7 @@ class Bench:
         device = self.device
 
         def step(i):
-            b = rows[i]
-            loss_sum = model(
-                input_ids=b["input_ids"].to(device, non_blocking=True),
-                position_ids=b["position_ids"].to(device, non_blocking=True),
-                labels=b["labels"].to(device, non_blocking=True),
-                cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
-                max_seqlen=int(b["max_seqlen"]),
-            )
-            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim_c.grad_clip, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            return batch_tokens(b)
+            return peer_step(model, optimizer, scheduler, rows[i], device, self.optim_c.grad_clip, autocast=False)
 
         extra = {
             "what": f"{attention}, {root.loss_name}"
@@ -626,21 +632,7 @@ class Bench:
         device = self.device
 
         def step(i):
-            b = rows[i]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss_sum = model(
-                    input_ids=b["input_ids"].to(device, non_blocking=True),
-                    position_ids=b["position_ids"].to(device, non_blocking=True),
-                    labels=b["labels"].to(device, non_blocking=True),
-                    cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
-                    max_seqlen=int(b["max_seqlen"]),
-                )
-            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            return batch_tokens(b)
+            return peer_step(model, optimizer, scheduler, rows[i], device, c.grad_clip, autocast=True)
 
         kernels = "Liger RoPE/RMSNorm/SwiGLU + " if liger_all else ""
         extra = {
