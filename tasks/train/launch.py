@@ -210,8 +210,10 @@ def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, o
 def _worker_env(config: TrainConfig) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.nproc)
-    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if config.num_threads is not None:  # the config's count wins: the run's float summation order depends on it
+        env["OMP_NUM_THREADS"] = str(config.num_threads)
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc)))
     if config.device == "cpu" or config.device == "auto" and not _cuda_available():
         # OpenMP's default spin-waiting collapses a CPU worker on a busy machine: a thread spins at each of the
         # step's ~1000 small parallel regions while its partner waits for a core, so the demo ran 30x slower for a

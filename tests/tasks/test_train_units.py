@@ -285,9 +285,11 @@ def test_cpu_workers_sleep_rather_than_spin_unless_told(monkeypatch):
     from sftflow.tasks.train.launch import _worker_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the config's thread count wins over the environment's
     cpu = _config(device="cpu", num_threads=2)
     env = _worker_env(cpu)
     assert (env["OMP_WAIT_POLICY"], env["OMP_NUM_THREADS"]) == ("PASSIVE", "2")
+    assert _worker_env(cpu.model_copy(update={"num_threads": None}))["OMP_NUM_THREADS"] == "1"
     assert "OMP_WAIT_POLICY" not in _worker_env(cpu.model_copy(update={"device": "cuda"}))
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert _worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
