@@ -324,9 +324,12 @@ def register_baseline_attention(device: torch.device) -> str:
     return f"torch varlen_attn ({'enable_gqa' if gqa else 'repeated KV'}, {next(iter(causal))})"
 
 
-def peer_step(model, optimizer, scheduler, b: dict, device, grad_clip: float, autocast: bool) -> tuple[int, float]:
+def peer_step(
+    model, optimizer, scheduler, b: dict, device, grad_clip: float, autocast: bool, params=None
+) -> tuple[int, float]:
     """One optimizer step of a baseline on one packed row (`LigerRoot` returns the loss sum), as a training loop of
-    its users runs it; `autocast`: bf16 autocast around the forward (fp32 weights)."""
+    its users runs it; `autocast`: bf16 autocast around the forward (fp32 weights); `params`: those clipped (default
+    all of the model's)."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         loss_sum = model(
             input_ids=b["input_ids"].to(device, non_blocking=True),
@@ -336,7 +339,7 @@ def peer_step(model, optimizer, scheduler, b: dict, device, grad_clip: float, au
             max_seqlen=int(b["max_seqlen"]),
         )
     (loss_sum / max(b["num_loss_tokens"], 1)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    torch.nn.utils.clip_grad_norm_(model.parameters() if params is None else params, grad_clip, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -671,24 +674,10 @@ class Bench:
             trained, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=device.type == "cuda"
         )
         scheduler = self.scheduler(optimizer)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        autocast = device.type == "cuda"
 
         def step(i):
-            b = rows[i]
-            with autocast:
-                loss_sum = root(
-                    input_ids=b["input_ids"].to(device, non_blocking=True),
-                    position_ids=b["position_ids"].to(device, non_blocking=True),
-                    labels=b["labels"].to(device, non_blocking=True),
-                    cu_seqlens=b["cu_seqlens"].to(device, non_blocking=True),
-                    max_seqlen=int(b["max_seqlen"]),
-                )
-            (loss_sum / max(b["num_loss_tokens"], 1)).backward()
-            torch.nn.utils.clip_grad_norm_(trained, c.grad_clip, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            return batch_tokens(b)
+            return peer_step(root, optimizer, scheduler, rows[i], device, c.grad_clip, autocast, params=trained)
 
         extra = {
             "what": f"peft LoRA r{LORA_RANK} all-linear on a bf16 model, bf16 autocast, {attention}, {root.loss_name}, "
