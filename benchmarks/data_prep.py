@@ -47,7 +47,7 @@ def _generated(path: Path, count: int = 1000) -> Path:
 def _tokenizer(path: str | None, work: Path):
     from transformers import AutoTokenizer
 
-    from sftflow.tasks.chat_template import builtin_template_text
+    from sftflow.tasks.data.chat_template import builtin_template_text
 
     if path is None:
         shared = SHARED / "tokenizers" / "smollm2-135m-chatml"
@@ -85,10 +85,10 @@ def main() -> None:
 
     import transformers
 
-    from sftflow.tasks.bpe_fast import FastBPE, why_unsupported
-    from sftflow.tasks.formats import RecordError, normalize_record
-    from sftflow.tasks.render import RenderConfig, render_source, resolve_template
-    from sftflow.tasks.spans import SpansConfig, tokenize_rendered_shard
+    from sftflow.tasks.data.bpe_fast import FastBPE, why_unsupported
+    from sftflow.tasks.data.formats import RecordError, normalize_record
+    from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
+    from sftflow.tasks.data.spans import SpansConfig, tokenize_rendered_shard
 
     work = Path(tempfile.mkdtemp(prefix="sftflow-bench-"))
     source = SHARED / "datasets" / "sharegpt-zh-1k" / "sharegpt_zh_1K_format.jsonl"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sftflow.tasks.plan import PlanConfig, plan
+from sftflow.tasks.plan.planner import PlanConfig, plan
 
 CAPACITY = 8192
 NUM_RANKS = 8

@@ -35,7 +35,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: I001
 
-    from sftflow.tasks.plan import PlanConfig, plan, save_plan
+    from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan
     from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import TrainingFailed, train
     from sftflow.tasks.train.metrics import read_metrics

@@ -8,7 +8,7 @@ Model: Llama-3.2-1B-shaped (`--preset llama1b`, the default), random init (hidde
 heads, intermediate 8192, vocab 128256, tied embeddings); `--preset llama8b` is Llama-3.1-8B-shaped (hidden 4096, 32
 layers, intermediate 14336, head dim 128, untied head). Data: `MockDataset` documents, lengths lognormal (median 600,
 sigma 1, clipped to [16, 4096]), loss spans train about half of each document's tokens. The rows come from
-`sftflow.tasks.plan.plan` (16,384 tokens per row, one row per optimizer step, one rank).
+`sftflow.tasks.plan.planner.plan` (16,384 tokens per row, one row per optimizer step, one rank).
 
 Modes, all in one process, all with the same model init, fp32 master weights, bf16 compute, the worker's AdamW
 (`build_optimizer`), gradient clipping at 1.0, one optimizer step per micro-batch. B, C and D are wrapped like the
@@ -161,7 +161,7 @@ def llama_config(preset: str, sliding_window: int | None = None):
 
 def make_data(args, vocab_size: int, rows_needed: int):
     """Mock documents and a plan with at least `rows_needed` rows of `args.row_tokens` tokens (one row per step)."""
-    from sftflow.tasks.plan import PlanConfig, plan
+    from sftflow.tasks.plan.planner import PlanConfig, plan
     from sftflow.tasks.train.mock import MockConfig, MockDataset, sample_lengths
 
     def mock(n: int) -> MockConfig:
@@ -938,7 +938,7 @@ def gpu_check(
     1 vs 2 GPU scaling)."""
     from transformers import LlamaConfig
 
-    from sftflow.tasks.plan import PlanConfig, plan, save_plan
+    from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan
     from sftflow.tasks.train.config import TrainConfig, write_run_json
     from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
 

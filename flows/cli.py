@@ -295,7 +295,7 @@ def plan(
     import numpy as np
 
     from sftflow.flows.config import plan_config
-    from sftflow.tasks.plan_stage import plan_into
+    from sftflow.tasks.plan.stage import plan_into
 
     cfg = _run_config(plan, locals())
     if data is not None and lengths is not None:
@@ -442,9 +442,9 @@ def eval_command(
     """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match. The `eval`
     section sets what is covered (e.g. --set eval.max_docs=64); a preset base is built with train.seed."""
     _quiet_defaults()
-    from sftflow.tasks.eval_report import markdown_summary
-    from sftflow.tasks.eval_stage import evaluate_run
-    from sftflow.tasks.manifests import ModelRef
+    from sftflow.tasks.core.manifests import ModelRef
+    from sftflow.tasks.eval.report import markdown_summary
+    from sftflow.tasks.eval.stage import evaluate_run
 
     cfg = _run_config(eval_command, locals())
     work = Path(cfg.work_dir)

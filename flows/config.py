@@ -15,11 +15,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sftflow.tasks.data_stages import IndexConfig
-from sftflow.tasks.manifests import EvalConfig, PromoteConfig
-from sftflow.tasks.plan import PlanConfig
-from sftflow.tasks.render import RenderConfig
-from sftflow.tasks.spans import SpansConfig
+from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
+from sftflow.tasks.data.render import RenderConfig
+from sftflow.tasks.data.spans import SpansConfig
+from sftflow.tasks.data.stage import IndexConfig
+from sftflow.tasks.plan.planner import PlanConfig
 from sftflow.tasks.train.config import TrainOptions
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.config import DataConfig, SFTConfig, data_config, resolve_config
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
-from sftflow.tasks.data_stages import (
+from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
+from sftflow.tasks.data.stage import (
     SourceFile,
     TokenizerRef,
     index_task,
@@ -25,7 +26,6 @@ from sftflow.tasks.data_stages import (
     training_template,
     with_template_tokens,
 )
-from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
 
 
 class DataResult(BaseModel):

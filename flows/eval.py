@@ -10,9 +10,9 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
-from sftflow.tasks.eval_stage import eval_task
-from sftflow.tasks.fingerprint import sha256_tree
-from sftflow.tasks.manifests import EvalReport, ModelRef
+from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.core.manifests import EvalReport, ModelRef
+from sftflow.tasks.eval.stage import eval_task
 from sftflow.tasks.train.launch import TrainResult
 
 

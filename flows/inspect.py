@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sftflow.tasks.pbin import open_pbin
+from sftflow.tasks.data.pbin import open_pbin
 
 # Bold green on a terminal; visible brackets when piped, since colour codes are stripped there.
 _ON, _OFF = ("\x1b[1;32m", "\x1b[0m") if sys.stdout.isatty() else ("⟦", "⟧")

@@ -96,7 +96,7 @@ def read_record(folder: Path) -> ServerRecord | None:
 
 
 def _write_record(folder: Path, record: ServerRecord) -> None:
-    from sftflow.tasks.atomic import write_atomic
+    from sftflow.tasks.core.atomic import write_atomic
 
     write_atomic(folder / "server.json", json.dumps(record.__dict__, indent=2) + "\n")
 

@@ -1,6 +1,6 @@
 """The `sft-promote` flow: the promotion gate after `sft`. The newly trained model and the registry's champion are
 evaluated on the same (current) eval documents; the new one is published as the next version and made champion only
-if it wins by `promote` in the config (`sftflow.tasks.promotion`). The report is a Prefect markdown artifact."""
+if it wins by `promote` in the config (`sftflow.tasks.eval.promotion`). The report is a Prefect markdown artifact."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
-from sftflow.tasks.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
+from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
 from sftflow.tasks.train.launch import TrainResult
 
 
@@ -34,7 +34,7 @@ def promote_task(
 ) -> PromoteResult:
     from prefect.artifacts import create_markdown_artifact
 
-    from sftflow.tasks.promotion import promote
+    from sftflow.tasks.eval.promotion import promote
 
     result = promote(candidate, index, tokenizer_path, eval_config, config, registry, out_dir, source)
     create_markdown_artifact(

@@ -10,15 +10,15 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.locks import exclusive
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.locks import exclusive
 
 M = TypeVar("M", bound=BaseModel)
 
 
 def work_dir_lock(work_dir: str | Path, node_rank: int = 0):
     """Held by every flow while it writes into `work_dir`: a second run on the same folder is refused with the
-    holder's PID and host (`sftflow.tasks.locks`). The nodes of one multi-node training run each hold their own."""
+    holder's PID and host (`sftflow.tasks.core.locks`). The nodes of one multi-node training run each hold their own."""
     name = ".sftflow.lock" if node_rank == 0 else f".sftflow-node{node_rank}.lock"
     return exclusive(Path(work_dir) / name, f"work_dir {work_dir}")
 

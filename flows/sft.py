@@ -20,8 +20,8 @@ from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
-from sftflow.tasks.manifests import EvalReport, PromoteResult
-from sftflow.tasks.plan_stage import PlanManifest
+from sftflow.tasks.core.manifests import EvalReport, PromoteResult
+from sftflow.tasks.plan.stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 
 STAGES = ("data", "plan", "train", "eval")

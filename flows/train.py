@@ -10,9 +10,9 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
-from sftflow.tasks.fingerprint import sha256_tree
-from sftflow.tasks.manifests import ModelRef
-from sftflow.tasks.plan_stage import PlanManifest
+from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.core.manifests import ModelRef
+from sftflow.tasks.plan.stage import PlanManifest
 from sftflow.tasks.train.launch import TrainResult
 from sftflow.tasks.train.stage import train_stage_task
 

@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from sftflow.tasks.atomic import atomic_writer
+from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.tiny import train_tokenizer
 
 CAPITALS = {

@@ -13,7 +13,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "<pad>"]
 
 
 def builtin_chatml_template() -> str:
-    return resources.files("sftflow.tasks").joinpath("templates/chatml.jinja").read_text()
+    return resources.files("sftflow.tasks.data").joinpath("templates/chatml.jinja").read_text()
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512, chat_template: str | None = None):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.fingerprint import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.core.atomic import write_atomic
 
 RUN_FORMAT_VERSION = 1
 # Everything a checkpoint holds; `init_from` may load any subset.

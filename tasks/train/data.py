@@ -1,6 +1,6 @@
 """What one rank trains on at each step: the plan's rows, read from the dataset and collated.
 
-The plan (`plan.npz`, see `sftflow.tasks.plan`) lists rows step-major, then micro-batch, then plan rank:
+The plan (`plan.npz`, see `sftflow.tasks.plan.planner`) lists rows step-major, then micro-batch, then plan rank:
 row `(step * micro_batches_per_step + m) * num_ranks + r` holds `doc_ids[row_ptr[row]:row_ptr[row + 1]]`.
 
 The plan's `num_ranks` need not equal the world size: it must be a multiple of it, and each worker then trains the
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sftflow.tasks.plan import PlanArrays
-from sftflow.tasks.plan import load_plan as _load_plan
+from sftflow.tasks.plan.planner import PlanArrays
+from sftflow.tasks.plan.planner import load_plan as _load_plan
 from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
 
 PLAN_FILE = "plan.npz"
@@ -50,7 +50,7 @@ def plan_row(plan: PlanArrays, step: int, micro_batch: int, plan_rank: int) -> n
 
 def open_dataset(data: str | Path, split: str):
     """The document source: one split of a dataset index folder."""
-    from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.data.reader import IndexedDataset
 
     return IndexedDataset(data, split=split)
 

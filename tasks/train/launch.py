@@ -31,8 +31,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.locks import exclusive
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.locks import exclusive
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
 from sftflow.tasks.train.data import load_plan, plan_path
@@ -248,7 +248,7 @@ def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
 
 def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     plan = load_plan(config.plan)
-    from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.data.reader import IndexedDataset
 
     # Training reads what the index recorded, or nothing: every index array and shard is checked against the
     # index's sha256s here, once per node, before any worker starts (one read of the data).

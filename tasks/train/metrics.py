@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sftflow.tasks.atomic import write_atomic
+from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.train.config import MetricsConfig
 
 # Dense bf16 peak FLOP/s per device, no sparsity.

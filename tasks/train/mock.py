@@ -1,6 +1,6 @@
 """A mock document source: random-token documents with configured lengths, so training and benchmarks run without I/O.
 
-`MockDataset` has the interface of the dataset index reader (`sftflow.tasks.reader.IndexedDataset`): `len()`,
+`MockDataset` has the interface of the dataset index reader (`sftflow.tasks.data.reader.IndexedDataset`): `len()`,
 `lengths`, `loss_token_counts` and `ds[i] -> (ids, loss_spans)`. Training does not read it directly: benchmarks and
 tests write it out with `write_mock_index` as a real dataset index folder, which `TrainConfig.data` names like any
 other data, so the production config and the worker know one data source only.
@@ -132,9 +132,9 @@ def write_mock_index(config: MockConfig, folder: str | Path) -> Path:
     and a plan made from `MockDataset(config)` trains on it unchanged. Needs numpy only (no prefect, no torch), so the
     GPU benchmarks can call it.
     """
-    from sftflow.tasks.index import build_index
-    from sftflow.tasks.pbin import write_pbin
-    from sftflow.tasks.records import TokenizedDoc
+    from sftflow.tasks.data.index import build_index
+    from sftflow.tasks.data.pbin import write_pbin
+    from sftflow.tasks.data.records import TokenizedDoc
 
     dataset = MockDataset(config)
     docs = [TokenizedDoc(*dataset[i], source=f"mock:{i}") for i in range(len(dataset))]

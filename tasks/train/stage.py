@@ -12,10 +12,10 @@ from pathlib import Path
 
 from prefect import task
 
-from sftflow.tasks.caching import StageCache, retry_unless_bad_input, write_checksums
-from sftflow.tasks.data_stages import TokenizerRef
-from sftflow.tasks.manifests import DatasetIndex
-from sftflow.tasks.plan_stage import PlanManifest
+from sftflow.tasks.core.caching import StageCache, retry_unless_bad_input, write_checksums
+from sftflow.tasks.core.manifests import DatasetIndex
+from sftflow.tasks.data.stage import TokenizerRef
+from sftflow.tasks.plan.stage import PlanManifest
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, TrainOptions
 from sftflow.tasks.train.launch import TrainResult, train

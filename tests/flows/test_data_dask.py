@@ -17,9 +17,9 @@ import pytest
 
 from sftflow.flows.config import DataConfig, SFTConfig
 from sftflow.flows.data import DataResult, api_for_workers, load_data_result, sft_data
+from sftflow.tasks.data.index import load_index
+from sftflow.tasks.data.pbin import open_pbin
 from sftflow.tasks.demo import write_demo
-from sftflow.tasks.index import load_index
-from sftflow.tasks.pbin import open_pbin
 from tests.flows.conftest import task_states
 
 pytest.importorskip("prefect_dask")

@@ -76,7 +76,7 @@ def test_corrupted_output_is_recomputed_not_trusted(demo, tmp_path):
 
 
 def test_transient_io_error_is_retried(demo, tmp_path, monkeypatch):
-    from sftflow.tasks import data_stages
+    from sftflow.tasks.data import stage as data_stages
 
     marker = tmp_path / "fault-fired"
     tokenize = data_stages.tokenize_rendered_shard

@@ -16,7 +16,7 @@ import torch
 from sftflow.flows.config import SFTConfig
 from sftflow.flows.data import sft_data
 from sftflow.flows.promote import sft_promote
-from sftflow.tasks.registry import Registry
+from sftflow.tasks.eval.registry import Registry
 from sftflow.tasks.train.launch import TrainResult
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,8 @@ def _train_in_process(model, docs, steps: int, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from sftflow.tasks.index import load_index
-    from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.data.index import load_index
+    from sftflow.tasks.data.reader import IndexedDataset
     from sftflow.tasks.train.model import build_model
 
     work = tmp_path_factory.mktemp("promote")
@@ -130,7 +130,7 @@ def test_a_publish_killed_midway_leaves_the_champion_in_service(setup, monkeypat
     publish removes the leftover and takes the same version number."""
     import shutil
 
-    from sftflow.tasks import registry as registry_module
+    from sftflow.tasks.eval import registry as registry_module
 
     work, _, _, models = setup
     registry = Registry(work / "kill-registry")

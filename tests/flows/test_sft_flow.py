@@ -76,7 +76,7 @@ def test_first_run_completes_every_stage(first_run):
     # The export renders conversations as the training data was rendered: the template travels with it.
     from transformers import AutoTokenizer
 
-    from sftflow.tasks.chat_template import builtin_template_text
+    from sftflow.tasks.data.chat_template import builtin_template_text
 
     exported = AutoTokenizer.from_pretrained(result.train.hf_dir)
     assert exported.chat_template == builtin_template_text("chatml")

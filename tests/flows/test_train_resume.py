@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tasks"))
 
 from train_helpers import losses, metrics, planned_mock, read_safetensors  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import TrainResult, train  # noqa: E402
 from sftflow.tasks.train.stage import train_task  # noqa: E402

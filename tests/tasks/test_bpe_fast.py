@@ -10,7 +10,7 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sftflow.tasks.bpe_fast import DIGITS_GPT2_PATTERN, GPT2_PATTERN, FastBPE, why_unsupported
+from sftflow.tasks.data.bpe_fast import DIGITS_GPT2_PATTERN, GPT2_PATTERN, FastBPE, why_unsupported
 from tests.conftest import TINY_CORPUS
 
 # Llama-3's split regex, one alternative per item.
@@ -234,7 +234,7 @@ def _hand_made(merges: list[tuple[str, str]], ignore_merges: bool = False):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from sftflow.tasks.bpe_fast import _byte_level_chars
+    from sftflow.tasks.data.bpe_fast import _byte_level_chars
 
     vocab = {c: i for i, c in enumerate(c for c in _byte_level_chars() if c not in "xy")}
     for left, right in merges:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sftflow.tasks.caching import outputs_valid, stage_key, write_checksums
-from sftflow.tasks.manifests import PbinShard
+from sftflow.tasks.core.caching import outputs_valid, stage_key, write_checksums
+from sftflow.tasks.core.manifests import PbinShard
 
-ENTRIES = ("sftflow.tasks.caching",)
+ENTRIES = ("sftflow.tasks.core.caching",)
 
 
 def _shard(sha: str) -> PbinShard:
@@ -26,7 +26,7 @@ def test_key_follows_content_not_run_details():
 
 
 def test_a_typed_model_keys_as_its_dump_and_without_its_run_details():
-    from sftflow.tasks.data_stages import TokenizerRef
+    from sftflow.tasks.data.stage import TokenizerRef
     from sftflow.tasks.train.config import TrainOptions
 
     tokenizer = TokenizerRef(path="/tok", sha256="c" * 64)

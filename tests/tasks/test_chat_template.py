@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError, TemplateError
 
-from sftflow.tasks.chat_template import ChatTemplate, builtin_template_text, load_template
+from sftflow.tasks.data.chat_template import ChatTemplate, builtin_template_text, load_template
 
 
 def _chat(*contents):
@@ -178,7 +178,7 @@ def _untagged(name: str) -> str:
 
 @pytest.mark.parametrize("official", sorted(OFFICIAL))
 def test_auto_picks_the_tagged_template_that_renders_what_the_official_one_renders(official, shared_data):
-    from sftflow.tasks.template_match import PROBES
+    from sftflow.tasks.data.template_match import PROBES
 
     expected, special = OFFICIAL[official]
     # TRL's training copies of Gemma's and Phi-3's templates are the stock ones plus generation tags: without the
@@ -217,7 +217,7 @@ def test_auto_keeps_a_tagged_template_and_explains_when_nothing_matches():
 def test_auto_on_real_tokenizers(folder, expected, shared_data):
     from transformers import AutoTokenizer
 
-    from sftflow.tasks.render import RenderConfig, resolve_template
+    from sftflow.tasks.data.render import RenderConfig, resolve_template
 
     path = shared_data / "tokenizers" / folder
     template = resolve_template(RenderConfig(), path)  # the default: template auto, mask_policy generation
@@ -307,7 +307,7 @@ _QWEN3_CASES = [
 
 @pytest.mark.parametrize("case", range(len(_QWEN3_CASES)))
 def test_qwen3_template_renders_history_as_qwen3_does(case):
-    from sftflow.tasks.render import _alias_reasoning
+    from sftflow.tasks.data.render import _alias_reasoning
 
     messages, tools, expected, trained = _QWEN3_CASES[case]
     template = load_template("qwen3", _tokenizer_with("", {"eos_token": "<|im_end|>"}))

@@ -12,8 +12,8 @@ from datetime import datetime
 import pytest
 from jinja2.exceptions import TemplateError
 
-from sftflow.tasks.chat_template import builtin_template_text, fixed_clock, load_template
-from sftflow.tasks.template_match import PROBES, renders_alike
+from sftflow.tasks.data.chat_template import builtin_template_text, fixed_clock, load_template
+from sftflow.tasks.data.template_match import PROBES, renders_alike
 from tests.tasks.test_chat_template import _auto_pick, _tokenizer_with, _untagged
 
 DAY = datetime(2025, 2, 3, 23, 59, 59)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sftflow.tasks import caching, code_closure
-from sftflow.tasks.code_closure import code_fingerprint, import_closure, imported_modules, module_source
-from sftflow.tasks.data_stages import INDEX_CACHE, PBIN_CACHE, RENDER_CACHE, SPANS_CACHE
-from sftflow.tasks.eval_stage import EVAL_CACHE
-from sftflow.tasks.plan_stage import PLAN_CACHE
+from sftflow.tasks.core import caching, code_closure
+from sftflow.tasks.core.code_closure import code_fingerprint, import_closure, imported_modules, module_source
+from sftflow.tasks.data.stage import INDEX_CACHE, PBIN_CACHE, RENDER_CACHE, SPANS_CACHE
+from sftflow.tasks.eval.stage import EVAL_CACHE
+from sftflow.tasks.plan.stage import PLAN_CACHE
 from sftflow.tasks.train.stage import TRAIN_CACHE
 
 STAGES = {c.stage: c for c in (RENDER_CACHE, SPANS_CACHE, PBIN_CACHE, INDEX_CACHE, PLAN_CACHE, TRAIN_CACHE, EVAL_CACHE)}
@@ -23,7 +23,7 @@ def test_closures_hold_what_each_stage_runs():
         assert f"sftflow.kernels.{kernel}" in train, kernel
     evaluate = set(import_closure(EVAL_CACHE.entries))
     assert {"sftflow.tasks.train.model", "sftflow.tasks.tiny", "sftflow.kernels.attention"} <= evaluate
-    assert "sftflow.tasks.render" in set(import_closure(SPANS_CACHE.entries))
+    assert "sftflow.tasks.data.render" in set(import_closure(SPANS_CACHE.entries))
     # Nothing of training or evaluation is data preparation's code.
     render = import_closure(RENDER_CACHE.entries)
     assert not any(m.startswith(("sftflow.tasks.train", "sftflow.kernels")) for m in render)
@@ -50,25 +50,26 @@ def test_changing_any_imported_module_changes_exactly_the_keys_of_the_stages_tha
 def test_imports_are_found_at_any_depth_and_in_every_form():
     source = """
 import os
-import sftflow.tasks.pbin
-from sftflow.tasks import index, fingerprint as fp
+import sftflow.tasks.data.pbin
+from sftflow.tasks.core import fingerprint as fp
+from sftflow.tasks.data import index
 from sftflow.kernels.attention import varlen_attention
 
 def later():
     from sftflow.tasks.train import config as cfg
     from .records import Record
 """
-    found = imported_modules("sftflow.tasks.render", source)
+    found = imported_modules("sftflow.tasks.data.render", source)
     assert found == {
         "sftflow.tasks",
-        "sftflow.tasks.pbin",
-        "sftflow.tasks.index",
-        "sftflow.tasks.fingerprint",
+        "sftflow.tasks.data.pbin",
+        "sftflow.tasks.data.index",
+        "sftflow.tasks.core.fingerprint",
         "sftflow.kernels",
         "sftflow.kernels.attention",
         "sftflow.tasks.train",
         "sftflow.tasks.train.config",
-        "sftflow.tasks.records",
+        "sftflow.tasks.data.records",
     }
 
 

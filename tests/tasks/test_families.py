@@ -201,7 +201,7 @@ def test_two_rank_fsdp_training_from_the_folder_matches_hf_and_exports_what_it_t
     from train_helpers import losses, planned_mock, read_dcp, read_safetensors, run
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.plan.planner import PlanConfig
     from sftflow.tasks.train.data import load_plan, plan_row
 
     folder = save_family_model(name, VOCAB, tmp_path / "model")
@@ -241,7 +241,7 @@ def test_the_launcher_refuses_such_a_model_before_starting_any_worker(tmp_path):
     from train_helpers import planned_mock, run
     from transformers import AutoConfig
 
-    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.plan.planner import PlanConfig
 
     AutoConfig.for_model("gemma2", vocab_size=VOCAB, final_logit_softcapping=30.0).save_pretrained(tmp_path / "gemma2")
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)
@@ -260,7 +260,7 @@ def test_compiled_layers_on_a_gpu_train_what_hf_computes(name, tmp_path):
     per-document reference as tightly as on the CPU."""
     from train_helpers import losses, planned_mock, read_safetensors, run
 
-    from sftflow.tasks.plan import PlanConfig
+    from sftflow.tasks.plan.planner import PlanConfig
     from sftflow.tasks.train.data import load_plan, plan_row
 
     folder = save_family_model(name, VOCAB, tmp_path / "model")

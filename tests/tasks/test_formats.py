@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sftflow.tasks.formats import (
+from sftflow.tasks.data.formats import (
     Conversation,
     RecordError,
     TextWithSpans,

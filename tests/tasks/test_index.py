@@ -8,11 +8,11 @@ import struct
 import numpy as np
 import pytest
 
-from sftflow.tasks import index as index_mod
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.index import build_index, load_index, split_of
-from sftflow.tasks.pbin import write_pbin
-from sftflow.tasks.records import TokenizedDoc
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.data import index as index_mod
+from sftflow.tasks.data.index import build_index, load_index, split_of
+from sftflow.tasks.data.pbin import write_pbin
+from sftflow.tasks.data.records import TokenizedDoc
 
 
 def make_doc(ids, spans, source="data.jsonl:1") -> TokenizedDoc:

@@ -77,8 +77,8 @@ def test_collated_loss_tokens_equal_counts():
 def test_written_index_reads_back_as_the_mock(tmp_path, loss_spans):
     """Training reads mock data through the dataset index: every document, in order, with its spans and counts, even
     duplicates and documents whose only trained token is their first (nothing filtered, nothing held out)."""
-    from sftflow.tasks.pbin import spans_to_mask
-    from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.data.pbin import spans_to_mask
+    from sftflow.tasks.data.reader import IndexedDataset
 
     cfg = MockConfig(num_docs=300, vocab_size=50, median_length=3, min_length=1, max_length=9, loss_spans=loss_spans)
     mock = MockDataset(cfg)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.pbin import FORMAT_VERSION, MAGIC, PbinError, open_pbin, spans_to_mask, write_pbin
-from sftflow.tasks.records import TokenizedDoc
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.data.pbin import FORMAT_VERSION, MAGIC, PbinError, open_pbin, spans_to_mask, write_pbin
+from sftflow.tasks.data.records import TokenizedDoc
 
 PROVENANCE = {"source_sha256": "a" * 64, "template_sha256": "b" * 64, "tokenizer_sha256": "c" * 64}
 

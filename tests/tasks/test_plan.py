@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from sftflow.tasks.plan import PlanConfig, cost_coefficients_from_model, load_plan, plan, save_plan
+from sftflow.tasks.plan.planner import PlanConfig, cost_coefficients_from_model, load_plan, plan, save_plan
 from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
 from sftflow.tasks.train.mock import MockConfig, MockDataset
 

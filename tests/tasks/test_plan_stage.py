@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from sftflow.tasks.index import build_index
-from sftflow.tasks.pbin import write_pbin
-from sftflow.tasks.plan import PlanConfig
-from sftflow.tasks.plan_stage import plan_from_index
-from sftflow.tasks.reader import IndexedDataset
-from sftflow.tasks.records import TokenizedDoc
+from sftflow.tasks.data.index import build_index
+from sftflow.tasks.data.pbin import write_pbin
+from sftflow.tasks.data.reader import IndexedDataset
+from sftflow.tasks.data.records import TokenizedDoc
+from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.plan.stage import plan_from_index
 from sftflow.tasks.train.collate import collate, packed_collator, trainable_target_count
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from family_configs import family_config  # noqa: E402
 from train_helpers import losses, planned_mock, read_dcp, run  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import LoraSettings, TrainConfig  # noqa: E402
 from sftflow.tasks.train.quantize import nf4_refusal  # noqa: E402
 

@@ -7,10 +7,10 @@ import pickle
 import numpy as np
 import pytest
 
-from sftflow.tasks.index import build_index
-from sftflow.tasks.pbin import write_pbin
-from sftflow.tasks.reader import DocumentReader, IndexedDataset
-from sftflow.tasks.records import TokenizedDoc
+from sftflow.tasks.data.index import build_index
+from sftflow.tasks.data.pbin import write_pbin
+from sftflow.tasks.data.reader import DocumentReader, IndexedDataset
+from sftflow.tasks.data.records import TokenizedDoc
 
 
 def random_docs(seed: int, n: int, max_len: int = 60, prefix: str = "d") -> list[TokenizedDoc]:

@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from train_helpers import losses, mock_config, planned_mock, run  # noqa: E402
 
-from sftflow.tasks.atomic import atomic_writer, write_atomic  # noqa: E402
-from sftflow.tasks.caching import outputs_valid, retry_on_io_error, write_checksums  # noqa: E402
-from sftflow.tasks.index import build_index  # noqa: E402
-from sftflow.tasks.pbin import write_pbin  # noqa: E402
-from sftflow.tasks.plan import PlanConfig, plan, save_plan  # noqa: E402
-from sftflow.tasks.reader import IndexedDataset  # noqa: E402
-from sftflow.tasks.records import TokenizedDoc  # noqa: E402
+from sftflow.tasks.core.atomic import atomic_writer, write_atomic  # noqa: E402
+from sftflow.tasks.core.caching import outputs_valid, retry_on_io_error, write_checksums  # noqa: E402
+from sftflow.tasks.data.index import build_index  # noqa: E402
+from sftflow.tasks.data.pbin import write_pbin  # noqa: E402
+from sftflow.tasks.data.reader import IndexedDataset  # noqa: E402
+from sftflow.tasks.data.records import TokenizedDoc  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan  # noqa: E402
 from sftflow.tasks.train.checkpoint import prune_checkpoints  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import train  # noqa: E402
@@ -109,7 +109,7 @@ def test_a_metrics_line_cut_short_does_not_block_the_resume(base, three_steps):
 
 HOLD = """
 import sys, time
-from sftflow.tasks.locks import exclusive
+from sftflow.tasks.core.locks import exclusive
 with exclusive(sys.argv[1], "test"):
     print("held", flush=True)
     time.sleep(120)

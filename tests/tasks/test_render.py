@@ -7,9 +7,9 @@ import json
 import pydantic
 import pytest
 
-from sftflow.tasks.chat_template import ChatTemplate, load_template
-from sftflow.tasks.formats import RecordError
-from sftflow.tasks.render import (
+from sftflow.tasks.data.chat_template import ChatTemplate, load_template
+from sftflow.tasks.data.formats import RecordError
+from sftflow.tasks.data.render import (
     RenderConfig,
     TemplateProblem,
     iter_source_records,

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sftflow.tasks import sharding
-from sftflow.tasks.fingerprint import sha256_file, sha256_tree
-from sftflow.tasks.formats import RecordError
-from sftflow.tasks.sharding import SourceRange, iter_range_records, plan_shards
+from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
+from sftflow.tasks.data import sharding
+from sftflow.tasks.data.formats import RecordError
+from sftflow.tasks.data.sharding import SourceRange, iter_range_records, plan_shards
 
 
 def _read_all(path, ranges) -> list[tuple[str, object]]:

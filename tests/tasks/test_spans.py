@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sftflow.tasks.chat_template import ChatTemplate
-from sftflow.tasks.formats import RecordError, normalize_record
-from sftflow.tasks.records import RenderedDoc
-from sftflow.tasks.render import RenderConfig, render_record
-from sftflow.tasks.spans import (
+from sftflow.tasks.data.chat_template import ChatTemplate
+from sftflow.tasks.data.formats import RecordError, normalize_record
+from sftflow.tasks.data.records import RenderedDoc
+from sftflow.tasks.data.render import RenderConfig, render_record
+from sftflow.tasks.data.spans import (
     SpansConfig,
     load_tokenized_shard,
     mask_to_spans,

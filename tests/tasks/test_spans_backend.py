@@ -8,9 +8,9 @@ import logging
 import numpy as np
 import pytest
 
-from sftflow.tasks.bpe_fast import FastBPE
-from sftflow.tasks.records import RenderedDoc
-from sftflow.tasks.spans import SpansConfig, tokenize_docs, tokenize_rendered_shard
+from sftflow.tasks.data.bpe_fast import FastBPE
+from sftflow.tasks.data.records import RenderedDoc
+from sftflow.tasks.data.spans import SpansConfig, tokenize_docs, tokenize_rendered_shard
 from tests.tasks.test_bpe_fast import FIXED, PIECES
 
 CHAT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n  The answer is 42.<|im_end|>\n"
@@ -55,7 +55,7 @@ def test_unsupported_tokenizer_falls_back_under_auto_and_errors_under_tiktoken(t
             for d in DOCS
         )
     )
-    with caplog.at_level(logging.INFO, logger="sftflow.tasks.spans"):
+    with caplog.at_level(logging.INFO, logger="sftflow.tasks.data.spans"):
         auto = tokenize_rendered_shard(rendered, tokenizer, SpansConfig(), tmp_path / "auto.npz")
     assert auto.tokenizer_backend == "hf"
     hf = tokenize_rendered_shard(rendered, tokenizer, SpansConfig(tokenizer_backend="hf"), tmp_path / "hf.npz")
@@ -74,7 +74,7 @@ def test_a_difference_in_the_checked_texts_sends_the_shard_to_hf(tiny_tokenizer,
         return [(ids + (text == DOCS[2].text), offsets) for text, (ids, offsets) in zip(texts, out, strict=True)]
 
     monkeypatch.setattr(FastBPE, "encode_batch", wrong_id_in_one_text)
-    with caplog.at_level(logging.WARNING, logger="sftflow.tasks.spans"):
+    with caplog.at_level(logging.WARNING, logger="sftflow.tasks.data.spans"):
         docs, _ = tokenize_docs(DOCS, tiny_tokenizer, SpansConfig())
     assert _arrays(docs) == _arrays(expected)
     assert f"{DOCS[2].source}: tiktoken and Hugging Face tokenize this text differently" in caplog.text
@@ -84,7 +84,7 @@ def test_a_difference_in_the_checked_texts_sends_the_shard_to_hf(tiny_tokenizer,
 
 def test_shard_is_identical_on_shared_tokenizers_and_sharegpt(shared_data, tmp_path):
     """render → spans on 200 sharegpt-zh-1k conversations: every array of the shard is equal under hf and auto."""
-    from sftflow.tasks.render import RenderConfig, render_source, resolve_template
+    from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
 
     source = shared_data / "datasets/sharegpt-zh-1k/sharegpt_zh_1K_format.jsonl"
     sample = tmp_path / "sample.jsonl"
@@ -127,7 +127,7 @@ def test_the_check_looks_past_texts_that_tiktoken_hands_to_hf(tiny_tokenizer, mo
         ]
 
     monkeypatch.setattr(FastBPE, "encode_batch", first_twenty_to_hf_and_one_wrong)
-    with caplog.at_level(logging.WARNING, logger="sftflow.tasks.spans"):
+    with caplog.at_level(logging.WARNING, logger="sftflow.tasks.data.spans"):
         docs, _ = tokenize_docs(many, tiny_tokenizer, SpansConfig())
     assert "many:25: tiktoken and Hugging Face tokenize this text differently" in caplog.text
     assert _arrays(docs) == _arrays(expected)

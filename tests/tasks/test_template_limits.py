@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from sftflow.tasks.chat_template import ChatTemplate
-from sftflow.tasks.render import RenderConfig, TemplateProblem, render_record, render_source
-from sftflow.tasks.template_limits import RenderLimitError, RenderLimits
+from sftflow.tasks.data.chat_template import ChatTemplate
+from sftflow.tasks.data.render import RenderConfig, TemplateProblem, render_record, render_source
+from sftflow.tasks.data.template_limits import RenderLimitError, RenderLimits
 
 RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 TAGGED = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"

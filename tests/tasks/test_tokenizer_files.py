@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from sftflow.tasks.tokenizer_files import read_tokenizer_files
+from sftflow.tasks.data.tokenizer_files import read_tokenizer_files
 from tests.conftest import SHARED_DATA
 
 
@@ -74,8 +74,8 @@ def test_resolving_a_template_does_not_import_torch(tiny_tokenizer_dir, tmp_path
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from sftflow.tasks.render import RenderConfig\n"
-        "from sftflow.tasks.data_stages import TokenizerRef, template_sha256, with_template_tokens\n"
+        "from sftflow.tasks.data.render import RenderConfig\n"
+        "from sftflow.tasks.data.stage import TokenizerRef, template_sha256, with_template_tokens\n"
         f"ref = TokenizerRef(path={str(tiny_tokenizer_dir)!r}, sha256='0' * 64)\n"
         "config = RenderConfig(template='chatml')\n"
         f"assert with_template_tokens(config, ref, Path({str(tmp_path)!r})) == ref\n"

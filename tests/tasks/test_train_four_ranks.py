@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from train_helpers import losses, metrics, planned_mock, rel, run  # noqa: E402
 
-from sftflow.tasks.plan import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

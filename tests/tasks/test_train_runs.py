@@ -32,7 +32,7 @@ from train_helpers import (  # noqa: E402
     write_plan,
 )
 
-from sftflow.tasks.plan import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
 from sftflow.tasks.train.launch import train  # noqa: E402
 from sftflow.tasks.train.mock import MockDataset, write_mock_index  # noqa: E402
@@ -104,7 +104,7 @@ def test_data_parallel_equals_single_rank_and_grad_accumulation(run1, run2):
 def test_grad_accumulation_equals_one_big_micro_batch(setup, run1):
     """Step 1 of the plan as one micro-batch holding all its documents == the same step as 4 micro-batches."""
     root, base, dataset, _ = setup
-    from sftflow.tasks.plan import load_plan
+    from sftflow.tasks.plan.planner import load_plan
 
     arrays = load_plan(root / "plan" / "plan.npz")
     per_step = arrays.micro_batches_per_step * arrays.num_ranks

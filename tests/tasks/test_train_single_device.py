@@ -26,7 +26,7 @@ from train_helpers import (  # noqa: E402
     run,
 )
 
-from sftflow.tasks.plan import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sftflow.tasks.plan import PlanArrays, PlanConfig, plan, save_plan
+from sftflow.tasks.plan.planner import PlanArrays, PlanConfig, plan, save_plan
 from sftflow.tasks.train.config import TrainConfig
 from sftflow.tasks.train.launch import TrainResult, train
 from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index

@@ -35,7 +35,7 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sftflow.tasks.template_limits import (
+from sftflow.tasks.data.template_limits import (
     RenderLimits,
     checked_binop,
     lipsum_checked,
@@ -161,7 +161,7 @@ def fixed_clock(instant: datetime | None = None):
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox with `*` and `**` checked against the render's output budget
-    (`sftflow.tasks.template_limits`)."""
+    (`sftflow.tasks.data.template_limits`)."""
 
     intercepted_binops = frozenset({"*", "**"})
 
@@ -285,7 +285,7 @@ def _strip_markers(raw: str, tracker: _Tracker, name: str) -> tuple[str, list[tu
 
 
 def builtin_template_text(name: str) -> str:
-    return resources.files("sftflow.tasks").joinpath(f"templates/{name}.jinja").read_text(encoding="utf-8")
+    return resources.files("sftflow.tasks.data").joinpath(f"templates/{name}.jinja").read_text(encoding="utf-8")
 
 
 def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the tokenizer") -> ChatTemplate:
@@ -320,10 +320,10 @@ def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the t
 
 def _auto(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> ChatTemplate:
     """`template: auto`: the built-in tagged template that renders what the tokenizer's template renders
-    (`sftflow.tasks.template_match`). A tokenizer template with generation tags of its own is kept, unless its tags
+    (`sftflow.tasks.data.template_match`). A tokenizer template with generation tags of its own is kept, unless its tags
     cover more than the matching built-in's (SmolLM3 ships tags around the role cue and the newline after each
     answer): sftflow does not train role cues, and `template: tokenizer` keeps the tokenizer's tags as they are."""
-    from sftflow.tasks.template_match import renders_alike, tags_cover_more
+    from sftflow.tasks.data.template_match import renders_alike, tags_cover_more
 
     # No `writes_tokens`: the text is the tokenizer's own template's, so its tokens are the tokenizer's already.
     candidates = (ChatTemplate(builtin_template_text(n), special, name=n) for n in BUILTIN_TEMPLATES)

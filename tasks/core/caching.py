@@ -3,7 +3,7 @@
 A stage's cache key is a hash of
   - the stage name and its format version,
   - a fingerprint of the source code of every sftflow module the stage runs: the import closure of its entry modules,
-    found from their import statements (`sftflow.tasks.code_closure`), not a hand-kept list (TASK_SOURCE alone hashes
+    found from their import statements (`sftflow.tasks.core.code_closure`), not a hand-kept list (TASK_SOURCE alone hashes
     only the thin task body, so a change in the plain function underneath, or in a kernel, would go unnoticed),
   - its inputs, where manifests contribute their content hashes (never bare paths).
 
@@ -24,9 +24,9 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
-from sftflow.tasks import code_closure
-from sftflow.tasks.atomic import PERMANENT_ERRNOS, is_temporary, write_atomic
-from sftflow.tasks.fingerprint import sha256_file, sha256_json
+from sftflow.tasks.core import code_closure
+from sftflow.tasks.core.atomic import PERMANENT_ERRNOS, is_temporary, write_atomic
+from sftflow.tasks.core.fingerprint import sha256_file, sha256_json
 
 CHECKSUMS = "CHECKSUMS"
 MANIFEST = "manifest.json"

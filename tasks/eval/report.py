@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sftflow.tasks.evaluate import EvalResult
+from sftflow.tasks.eval.evaluate import EvalResult
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:

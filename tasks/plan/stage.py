@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 from prefect import task
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.index import load_index
-from sftflow.tasks.manifests import DatasetIndex, Manifest
-from sftflow.tasks.plan import PLAN_FORMAT_VERSION, PlanConfig, PlanStats, plan, save_plan
-from sftflow.tasks.reader import IndexedDataset
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.manifests import DatasetIndex, Manifest
+from sftflow.tasks.data.index import load_index
+from sftflow.tasks.data.reader import IndexedDataset
+from sftflow.tasks.plan.planner import PLAN_FORMAT_VERSION, PlanConfig, PlanStats, plan, save_plan
 
 
 class PlanManifest(Manifest):

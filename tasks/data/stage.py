@@ -2,7 +2,7 @@
 
 Each task is a thin typed wrapper over the plain function that does the work (`render_source`,
 `tokenize_rendered_shard`, `write_pbin`, `build_index`). It writes into a folder named by its content-derived cache key
-(see `sftflow.tasks.caching`) and returns a small manifest. Bad input raises `ValueError` and is not retried; transient
+(see `sftflow.tasks.core.caching`) and returns a small manifest. Bad input raises `ValueError` and is not retried; transient
 I/O errors (`OSError`) are.
 """
 
@@ -17,21 +17,21 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from pydantic import BaseModel, ConfigDict, Field
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.caching import (
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.caching import (
     StageCache,
     read_manifest,
     retry_on_io_error,
     write_checksums,
     write_manifest,
 )
-from sftflow.tasks.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
-from sftflow.tasks.index import build_index
-from sftflow.tasks.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
-from sftflow.tasks.pbin import FORMAT_VERSION, write_pbin
-from sftflow.tasks.render import RenderConfig, render_source, resolve_template
-from sftflow.tasks.sharding import SourceRange, detect_source_format, plan_shards
-from sftflow.tasks.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
+from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
+from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
+from sftflow.tasks.data.index import build_index
+from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
+from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
+from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
+from sftflow.tasks.data.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
 
 RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
 RESULTS = dict(persist_result=True, result_serializer="json")
@@ -116,7 +116,7 @@ def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir
     wanted = template.writes_tokens if template is not None else ()
     if not wanted:
         return tokenizer
-    from sftflow.tasks.tokenizer_files import load_tokenizer_files
+    from sftflow.tasks.data.tokenizer_files import load_tokenizer_files
 
     vocab = load_tokenizer_files(tokenizer.path).get_vocab()
     missing = [t for t in wanted if t not in vocab]

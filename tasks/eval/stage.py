@@ -8,14 +8,14 @@ from pathlib import Path
 import torch
 from prefect import task
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
-from sftflow.tasks.eval_report import markdown_summary, metrics_table, plot_loss_curve
-from sftflow.tasks.evaluate import EvalResult, evaluate_models
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.index import load_index
-from sftflow.tasks.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef
-from sftflow.tasks.reader import IndexedDataset
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef
+from sftflow.tasks.data.index import load_index
+from sftflow.tasks.data.reader import IndexedDataset
+from sftflow.tasks.eval.evaluate import EvalResult, evaluate_models
+from sftflow.tasks.eval.report import markdown_summary, metrics_table, plot_loss_curve
 
 
 def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import ast
 import importlib.util
 from functools import cache
 
-from sftflow.tasks.fingerprint import sha256_text
+from sftflow.tasks.core.fingerprint import sha256_text
 
 PACKAGE = "sftflow"
 

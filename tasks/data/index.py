@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from sftflow.tasks.atomic import atomic_writer
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.pbin import PbinFile
+from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.data.pbin import PbinFile
 
 INDEX_FORMAT_VERSION = 1
 ARRAY_NAMES = ("shard", "doc", "length", "loss_tokens", "content_hash", "split", "train_ids", "eval_ids")

@@ -23,12 +23,12 @@ from typing import Any, Literal
 from jinja2.exceptions import SecurityError, TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sftflow.tasks.atomic import atomic_writer
-from sftflow.tasks.chat_template import ChatTemplate, load_template
-from sftflow.tasks.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
-from sftflow.tasks.records import RenderedDoc
-from sftflow.tasks.sharding import SourceRange, iter_range_records
-from sftflow.tasks.template_limits import DEFAULT_OUTPUT_CHARS, DEFAULT_SECONDS, RenderLimitError, RenderLimits
+from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.data.chat_template import ChatTemplate, load_template
+from sftflow.tasks.data.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
+from sftflow.tasks.data.records import RenderedDoc
+from sftflow.tasks.data.sharding import SourceRange, iter_range_records
+from sftflow.tasks.data.template_limits import DEFAULT_OUTPUT_CHARS, DEFAULT_SECONDS, RenderLimitError, RenderLimits
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -197,7 +197,7 @@ def render_record(
 def iter_source_records(
     path: str | Path, source_range: SourceRange | None = None, max_record_bytes: int | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """Yield `(source, record)` for every record of a source, or of one shard of it (`sftflow.tasks.sharding`).
+    """Yield `(source, record)` for every record of a source, or of one shard of it (`sftflow.tasks.data.sharding`).
 
     A line that is not JSON (or not UTF-8), or is longer than `max_record_bytes`, yields a `RecordError` as its
     record. Sources name the whole file's line or row, so a shard's records carry the same `source` strings as in an
@@ -299,7 +299,7 @@ def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = N
     """Load the template `config` names, with special tokens (bos_token, eos_token, ...) from the tokenizer."""
     tokenizer = None
     if tokenizer_path is not None:
-        from sftflow.tasks.tokenizer_files import load_tokenizer_files
+        from sftflow.tasks.data.tokenizer_files import load_tokenizer_files
 
         tokenizer = load_tokenizer_files(tokenizer_path)
     if config.template is None and tokenizer is None:

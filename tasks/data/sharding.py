@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sftflow.tasks.fingerprint import sha256_tree
-from sftflow.tasks.formats import RecordError
+from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.data.formats import RecordError
 
 _CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
@@ -351,7 +351,7 @@ def iter_range_records(
 
 def detect_source_format(path: str | Path) -> str | None:
     """The record format of a source's first valid record: what an unsharded render autodetects for the whole file."""
-    from sftflow.tasks.formats import detect_format
+    from sftflow.tasks.data.formats import detect_format
 
     for _, record in iter_range_records(path):
         if not isinstance(record, RecordError):

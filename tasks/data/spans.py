@@ -1,7 +1,7 @@
 """spans: rendered text + trained character spans → token ids + token-level loss spans.
 
 Each text is tokenized once with `add_special_tokens=False` and offsets: by tiktoken when the tokenizer is a byte-level
-BPE that `sftflow.tasks.bpe_fast` reproduces exactly (its BPE is ~4x faster than HF's on one core), else in batches
+BPE that `sftflow.tasks.data.bpe_fast` reproduces exactly (its BPE is ~4x faster than HF's on one core), else in batches
 by the fast (Rust) tokenizer. `tokenizer_backend` picks: `auto` (tiktoken when supported), `hf`, or `tiktoken` (an
 error when unsupported). Under `auto` and `tiktoken` the first `VERIFY_DOCS` texts of every call (one call per shard)
 that tiktoken encodes are also tokenized by HF; on any difference in ids or offsets `auto` uses HF for the whole call
@@ -41,9 +41,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from sftflow.tasks.atomic import atomic_writer
-from sftflow.tasks.bpe_fast import FastBPE, why_unsupported
-from sftflow.tasks.records import RenderedDoc, TokenizedDoc
+from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.data.bpe_fast import FastBPE, why_unsupported
+from sftflow.tasks.data.records import RenderedDoc, TokenizedDoc
 
 SHARD_FORMAT_VERSION = 1
 VERIFY_DOCS = 16  # texts per call (that tiktoken encodes) checked against HF before it is trusted with the rest
@@ -252,7 +252,7 @@ def tokenize_rendered_shard(
     `span_ptr` int64 (D+1,), `sources` uint8 (UTF-8 JSON list of `file:line` strings), `format_version` int64 (1,).
     `tokenizer_path` may also be a loaded fast tokenizer.
     """
-    from sftflow.tasks.render import read_rendered_shard
+    from sftflow.tasks.data.render import read_rendered_shard
 
     tokenizer = _load_tokenizer(tokenizer_path)
     docs, rejected, truncated, backend = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sftflow.tasks.atomic import fsync_folder, write_atomic
-from sftflow.tasks.fingerprint import sha256_tree
-from sftflow.tasks.locks import exclusive
+from sftflow.tasks.core.atomic import fsync_folder, write_atomic
+from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.core.locks import exclusive
 
 _VERSION = re.compile(r"^v(\d{4,})$")
 CHAMPION = "champion"

@@ -21,7 +21,7 @@ tiktoken merges two adjacent tokens whenever their bytes form a token, while HF 
 token can have other two-token splits (35,684 of SmolLM2's do). A merged token that HF's merges cannot build from its
 own text makes them differ, so such tokenizers are refused. With that check no difference has been found (every code
 point in several contexts, 2.2M tokens of sharegpt-zh-1k, all short strings over random merge lists), but it is not
-proven sufficient, so callers verify a sample against HF (`sftflow.tasks.spans` does, per shard).
+proven sufficient, so callers verify a sample against HF (`sftflow.tasks.data.spans` does, per shard).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from sftflow.tasks.atomic import atomic_writer
-from sftflow.tasks.records import TokenizedDoc
+from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.data.records import TokenizedDoc
 
 FORMAT_VERSION = 1
 MAGIC = b"SFTPBIN\0"

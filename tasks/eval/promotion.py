@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sftflow.tasks.atomic import write_atomic
-from sftflow.tasks.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
-from sftflow.tasks.registry import Registry
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
+from sftflow.tasks.eval.registry import Registry
 
 
 def decide(candidate: dict, champion: dict | None, config: PromoteConfig) -> tuple[bool, list[str]]:
@@ -57,7 +57,7 @@ def promote(
 ) -> PromoteResult:
     """Compare `candidate` with the champion of the registry at `registry_root` and promote it if it wins. The
     registry stays locked for the whole comparison, so two gates never both promote against the same champion."""
-    from sftflow.tasks.fingerprint import sha256_tree
+    from sftflow.tasks.core.fingerprint import sha256_tree
 
     index.verify()
     out_dir = Path(out_dir)
@@ -97,10 +97,10 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer_path:
     """Metrics of the candidate and the champion (if any) on the same eval documents, by name."""
     from transformers import AutoTokenizer
 
-    from sftflow.tasks.eval_stage import load_model
-    from sftflow.tasks.evaluate import evaluate_models
-    from sftflow.tasks.index import load_index
-    from sftflow.tasks.reader import IndexedDataset
+    from sftflow.tasks.data.index import load_index
+    from sftflow.tasks.data.reader import IndexedDataset
+    from sftflow.tasks.eval.evaluate import evaluate_models
+    from sftflow.tasks.eval.stage import load_model
 
     dataset = IndexedDataset(load_index(Path(index.path).parent, verify=True), split="eval")
     if len(dataset) == 0:

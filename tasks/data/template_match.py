@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from jinja2.exceptions import TemplateError
 
-from sftflow.tasks.chat_template import fixed_clock
-from sftflow.tasks.template_limits import RenderLimitError
+from sftflow.tasks.data.chat_template import fixed_clock
+from sftflow.tasks.data.template_limits import RenderLimitError
 
 _USER, _ASSISTANT = "What is 2 + 3?", "2 + 3 = 5."
 _CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sftflow.tasks.fingerprint import sha256_file
+from sftflow.tasks.core.fingerprint import sha256_file
 
 
 class Manifest(BaseModel):
@@ -60,7 +60,7 @@ class TokenizedShard(Manifest):
 
 
 class PbinShard(Manifest):
-    """A `.pbin` file (see `sftflow.tasks.pbin`)."""
+    """A `.pbin` file (see `sftflow.tasks.data.pbin`)."""
 
     format_version: int
     num_docs: int

@@ -6,7 +6,7 @@ at step k is just reading from row `k * M * num_ranks`: nothing in the plan depe
 
 Packing (mode `packed`), per epoch, from a permutation seeded by `(seed, epoch)`:
 
-1. **Rows.** LPT with a capacity check over windows of the permuted stream (`sftflow.tasks.packing.lpt_pack_rows`):
+1. **Rows.** LPT with a capacity check over windows of the permuted stream (`sftflow.tasks.plan.packing.lpt_pack_rows`):
    rows come out ~99.8% full, documents that do not fit carry to the next round.
 2. **Micro-batches.** Rows are sorted by cost `a·L + b·L²` (summed over the row's documents) and cut into groups of
    `num_ranks` neighbours, so the ranks of one micro-batch get rows of near-equal cost *and* near-equal tokens
@@ -32,8 +32,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sftflow.tasks.atomic import atomic_writer
-from sftflow.tasks.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
+from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.plan.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
 
 PLAN_FORMAT_VERSION = 1
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from sftflow.tasks.fingerprint import sha256_file
-from sftflow.tasks.index import IndexData, load_index
-from sftflow.tasks.pbin import PbinFile
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.data.index import IndexData, load_index
+from sftflow.tasks.data.pbin import PbinFile
 
 
 class DocumentReader:

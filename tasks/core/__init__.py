@@ -1,0 +1,2 @@
+"""What every stage shares: content keys and caching, manifests (the typed contracts between stages), code
+fingerprints, atomic files and locks."""
