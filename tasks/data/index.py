@@ -7,6 +7,8 @@ shard order then document order:
     doc.npy            int64   document number inside that shard
     length.npy         int32   tokens
     loss_tokens.npy    int32   trained tokens
+    targets.npy        int32   trained tokens that are prediction targets: all but a trained first token, which
+                               nothing predicts (what the collator counts, so the planner reads the index alone)
     content_hash.npy   uint64  blake2b-64 of (length, span count, token ids as uint32 LE, spans as int32 LE)
     split.npy          uint8   0 = train, 1 = eval
     train_ids.npy      int64   positions (rows above) in the train split, ascending
@@ -41,8 +43,8 @@ from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.data.pbin import PbinFile
 
-INDEX_FORMAT_VERSION = 1
-ARRAY_NAMES = ("shard", "doc", "length", "loss_tokens", "content_hash", "split", "train_ids", "eval_ids")
+INDEX_FORMAT_VERSION = 2
+ARRAY_NAMES = ("shard", "doc", "length", "loss_tokens", "targets", "content_hash", "split", "train_ids", "eval_ids")
 DROP_REASONS = ("too_long", "no_loss_tokens", "duplicate")
 TRAIN, EVAL = 0, 1
 _HASH_CHUNK_TOKENS = 1 << 24  # tokens converted to uint32 at a time while hashing
@@ -77,6 +79,7 @@ class IndexData:
     doc: np.ndarray
     length: np.ndarray
     loss_tokens: np.ndarray
+    targets: np.ndarray
     content_hash: np.ndarray
     split: np.ndarray
     train_ids: np.ndarray
@@ -205,7 +208,8 @@ class _Scan:
 def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256s) -> _Scan:
     """Read each shard's lengths and trained-token counts, drop documents over `max_length` or without trained
     tokens, and hash the rest."""
-    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("shard", "doc", "length", "loss_tokens", "content_hash")}
+    names = ("shard", "doc", "length", "loss_tokens", "targets", "content_hash")
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in names}
     dropped = dict.fromkeys(DROP_REASONS, 0)
     shards_meta, vocab_size, num_docs_in = [], None, 0
     for s, path in enumerate(pbin_paths):
@@ -228,6 +232,7 @@ def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256
             columns["doc"].append(docs.astype(np.int64))
             columns["length"].append(lengths[docs].astype(np.int32))
             columns["loss_tokens"].append(loss[docs].astype(np.int32))
+            columns["targets"].append((loss[docs] - _first_token_trained(f, docs)).astype(np.int32))
             columns["content_hash"].append(_content_hashes(f, docs))
             num_docs_in += len(f)
             shards_meta.append(
@@ -244,6 +249,18 @@ def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256
             )
     arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=_EMPTY_DTYPES[k]) for k, v in columns.items()}
     return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in)
+
+
+def _first_token_trained(f: PbinFile, docs: np.ndarray) -> np.ndarray:
+    """Per document: whether its token 0 is trained (always, in a file without spans), vectorised over the spans."""
+    if not f.has_spans:
+        return np.ones(len(docs), dtype=np.int64)
+    span_offsets, spans = f.section("span_offsets"), f.section("spans").reshape(-1, 2)
+    if len(spans) == 0:
+        return np.zeros(len(docs), dtype=np.int64)
+    has_span = span_offsets[docs + 1] > span_offsets[docs]
+    first_start = spans[np.minimum(span_offsets[docs], len(spans) - 1), 0]
+    return (has_span & (first_start == 0)).astype(np.int64)
 
 
 def _dedup_and_split(scan: _Scan, dedup: bool, eval_fraction: float, split_salt: str) -> dict[str, np.ndarray]:
@@ -306,6 +323,7 @@ _EMPTY_DTYPES = {
     "doc": np.int64,
     "length": np.int32,
     "loss_tokens": np.int32,
+    "targets": np.int32,
     "content_hash": np.uint64,
 }
 

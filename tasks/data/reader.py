@@ -157,22 +157,6 @@ class IndexedDataset:
         """Per item: trained tokens that are real targets, i.e. not a document's first token (nothing predicts it).
 
         This is what the collator counts, so a plan built from these has per-step denominators equal to the tokens
-        the loss sums over. Vectorised over each shard's span sections.
+        the loss sums over. The index stores them, so nothing here reads the shards.
         """
-        counts = np.asarray(self.loss_token_counts, dtype=np.int64).copy()
-        first_trained = np.zeros(len(counts), dtype=bool)
-        for s, f in enumerate(self.reader._open()):
-            rows = np.flatnonzero(self._shard == s)
-            if len(rows) == 0:
-                continue
-            docs = self._doc[rows]
-            if not f.has_spans:  # every token trained, token 0 included
-                first_trained[rows] = True
-                continue
-            span_offsets, spans = f.section("span_offsets"), f.section("spans").reshape(-1, 2)
-            has_span = span_offsets[docs + 1] > span_offsets[docs]
-            first = (
-                spans[np.minimum(span_offsets[docs], max(len(spans) - 1, 0)), 0] if len(spans) else np.ones(len(docs))
-            )
-            first_trained[rows] = has_span & (first == 0)
-        return counts - first_trained
+        return np.asarray(self.index.targets, dtype=np.int64)[self.ids]

@@ -69,6 +69,8 @@ def test_filters_dedup_and_counts(tmp_path):
     np.testing.assert_array_equal(idx.doc, [0, 4, 1, 1])
     np.testing.assert_array_equal(idx.length, [3, 3, 2, 1])
     np.testing.assert_array_equal(idx.loss_tokens, [2, 3, 2, 1])
+    # Targets leave out a trained token 0 (nothing predicts it): a:5 and b:2 start trained, c (no spans) is all trained.
+    np.testing.assert_array_equal(idx.targets, [2, 2, 1, 0])
     np.testing.assert_array_equal(idx.train_ids, [0, 1, 2, 3])
     assert idx.eval_ids.dtype == np.int64 and len(idx.eval_ids) == 0
     assert idx.content_hash.dtype == np.uint64
@@ -84,6 +86,25 @@ def test_filters_dedup_and_counts(tmp_path):
 
     no_dedup = build_index(paths, tmp_path / "idx2", max_length=8, dedup=False)
     assert no_dedup.dropped["duplicate"] == 0 and no_dedup.num_train == 7
+
+
+def test_targets_are_the_trained_tokens_after_position_zero(tmp_path):
+    """The stored counts equal a plain count over each document's loss mask, so planning needs no shard reads."""
+    rng = np.random.default_rng(3)
+    docs = random_docs(rng, 200)
+    for i in range(0, 200, 7):  # some documents trained from token 0, some with several spans
+        n = len(docs[i].input_ids)
+        docs[i] = make_doc(docs[i].input_ids, [[0, 1], [n // 2, n]] if n > 3 else [[0, n]], docs[i].source)
+    write_pbin(tmp_path / "a.pbin", docs, 300, {})
+    build_index([tmp_path / "a.pbin"], tmp_path / "idx", eval_fraction=0.0, dedup=False)
+    idx = load_index(tmp_path / "idx", verify=True)
+    expected = []
+    for d in docs:
+        mask = np.zeros(len(d.input_ids), dtype=bool)
+        for start, end in d.loss_spans_S2:
+            mask[start:end] = True
+        expected.append(int(mask[1:].sum()))
+    np.testing.assert_array_equal(idx.targets, np.asarray(expected)[idx.doc])
 
 
 def test_hash_chunking_matches_reference(tmp_path, monkeypatch):
