@@ -27,49 +27,14 @@ import time
 import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.plan.config import PlanConfig, PlanStats
 from sftflow.tasks.plan.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
 
 PLAN_FORMAT_VERSION = 1
-
-
-class PlanConfig(BaseModel):
-    """Planner settings. Cost of a document of `L` tokens is `cost_per_token·L + cost_per_token_pair·L²` (the issue's
-    `a` and `b`); `cost_per_token_pair=None` means `1/tokens_per_rank`, i.e. a full-length document costs twice its
-    tokens (see `cost_coefficients_from_model` for values from a model shape).
-    Give `micro_batches_per_step` or `target_tokens_per_step` (trainable tokens per optimizer step); neither means 1.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_ranks: int = Field(ge=1)
-    tokens_per_rank: int = Field(ge=1)
-    micro_batches_per_step: int | None = Field(None, ge=1)
-    target_tokens_per_step: int | None = Field(None, ge=1)
-    epochs: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
-    mode: Literal["packed", "padded", "iterative"] = "packed"
-    shuffle: bool = True
-    drop_last: bool = False
-    max_steps: int | None = Field(None, ge=1)
-    cost_per_token: float = Field(1.0, ge=0)
-    cost_per_token_pair: float | None = Field(None, ge=0)
-
-    @model_validator(mode="after")
-    def _one_batch_size(self) -> PlanConfig:
-        if self.micro_batches_per_step is not None and self.target_tokens_per_step is not None:
-            raise ValueError("give micro_batches_per_step or target_tokens_per_step, not both")
-        return self
-
-    @property
-    def cost_coefficients(self) -> tuple[float, float]:
-        b = self.cost_per_token_pair if self.cost_per_token_pair is not None else 1.0 / self.tokens_per_rank
-        return self.cost_per_token, b
 
 
 def cost_coefficients_from_model(
@@ -94,28 +59,6 @@ def cost_coefficients_from_model(
     a = 6.0 * (num_layers * (attention_proj + mlp) + hidden_size * vocab_size)
     b = 6.0 * num_layers * num_heads * head_dim
     return a, b
-
-
-class PlanStats(BaseModel):
-    """Plan quality; imbalance is max/mean over the ranks of one micro-batch (mean and p99 over micro-batches)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    efficiency: float  # real tokens / (rows × tokens_per_rank), empty rows included
-    token_imbalance: float
-    token_imbalance_p99: float
-    cost_imbalance: float
-    cost_imbalance_p99: float
-    num_steps: int
-    steps_per_epoch: list[int]
-    num_rows: int
-    num_empty_rows: int
-    micro_batches_per_step: int
-    total_tokens: int
-    total_loss_tokens: int
-    avg_doc_length: float
-    planning_seconds: float
-    dropped_docs: int
 
 
 @dataclass(frozen=True)
