@@ -62,6 +62,8 @@ def later():
     found = imported_modules("sftflow.tasks.data.render", source)
     assert found == {
         "sftflow.tasks",
+        "sftflow.tasks.core",
+        "sftflow.tasks.data",
         "sftflow.tasks.data.pbin",
         "sftflow.tasks.data.index",
         "sftflow.tasks.core.fingerprint",
