@@ -550,11 +550,9 @@ def _final_report(result) -> str:
     lines.append("")
     lines.append(f"  {'model':<6} {'loss':>8} {'ppl':>8} {'tok acc':>8} {'exact':>8} {'overlap':>8}")
     for name, m in result.eval.metrics.items():
-        em = "n/a" if m["exact_match"] is None else f"{m['exact_match']:.1%}"
-        ov = "n/a" if m["overlap"] is None else f"{m['overlap']:.3f}"
-        lines.append(
-            f"  {name:<6} {m['loss']:>8.4f} {m['perplexity']:>8.2f} {m['token_accuracy']:>8.1%} {em:>8} {ov:>8}"
-        )
+        em = "n/a" if m.exact_match is None else f"{m.exact_match:.1%}"
+        ov = "n/a" if m.overlap is None else f"{m.overlap:.3f}"
+        lines.append(f"  {name:<6} {m.loss:>8.4f} {m.perplexity:>8.2f} {m.token_accuracy:>8.1%} {em:>8} {ov:>8}")
     lines.append("")
     lines.append(f"  report {result.eval.markdown_path}")
     if result.promotion is not None:

@@ -42,7 +42,7 @@ class DataResult(BaseModel):
 
     @property
     def index_dir(self) -> str:
-        return str(Path(self.index.path).parent)
+        return str(self.index.dir)
 
     def summary(self) -> dict:
         return {

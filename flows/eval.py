@@ -11,9 +11,8 @@ from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
 from sftflow.tasks.core.fingerprint import sha256_tree
-from sftflow.tasks.core.manifests import EvalReport, ModelRef
+from sftflow.tasks.core.manifests import EvalReport, ModelRef, TrainResult
 from sftflow.tasks.eval.stage import eval_task
-from sftflow.tasks.train.launch import TrainResult
 
 
 @flow(name="sft-eval", log_prints=True)
@@ -45,8 +44,7 @@ def sft_eval(
             tuned,
             base,
             data.index,
-            data.tokenizer.path,
-            data.tokenizer.sha256,
+            data.tokenizer,
             cfg.eval,
             train.metrics_path,
             train.steps,
@@ -54,13 +52,13 @@ def sft_eval(
         )
         write_stage_result(work, "eval", report)
         for name, m in report.metrics.items():
-            exact = "n/a" if m["exact_match"] is None else f"{m['exact_match']:.3f}"
+            exact = "n/a" if m.exact_match is None else f"{m.exact_match:.3f}"
             get_run_logger().info(
                 "sft-eval %-5s loss %.4f  ppl %.2f  token acc %.3f  exact match %s",
                 name,
-                m["loss"],
-                m["perplexity"],
-                m["token_accuracy"],
+                m.loss,
+                m.perplexity,
+                m.token_accuracy,
                 exact,
             )
         return report

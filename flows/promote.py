@@ -12,8 +12,15 @@ from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
-from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
-from sftflow.tasks.train.launch import TrainResult
+from sftflow.tasks.core.manifests import (
+    DatasetIndex,
+    EvalConfig,
+    ModelRef,
+    PromoteConfig,
+    PromoteResult,
+    TokenizerRef,
+    TrainResult,
+)
 
 
 def registry_root(cfg: SFTConfig) -> Path:
@@ -25,7 +32,7 @@ def registry_root(cfg: SFTConfig) -> Path:
 def promote_task(
     candidate: ModelRef,
     index: DatasetIndex,
-    tokenizer_path: str,
+    tokenizer: TokenizerRef,
     eval_config: EvalConfig,
     config: PromoteConfig,
     registry: str,
@@ -36,7 +43,7 @@ def promote_task(
 
     from sftflow.tasks.eval.promotion import promote
 
-    result = promote(candidate, index, tokenizer_path, eval_config, config, registry, out_dir, source)
+    result = promote(candidate, index, tokenizer, eval_config, config, registry, out_dir, source)
     create_markdown_artifact(
         Path(result.report_path).read_text(), key="sft-promote-report", description="new model vs the champion"
     )
@@ -60,7 +67,7 @@ def sft_promote(
         result = promote_task(
             trained_model(train),
             data.index,
-            data.tokenizer.path,
+            data.tokenizer,
             cfg.eval,
             cfg.promote,
             str(registry_root(cfg)),

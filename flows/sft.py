@@ -20,9 +20,7 @@ from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
-from sftflow.tasks.core.manifests import EvalReport, PromoteResult
-from sftflow.tasks.plan.stage import PlanManifest
-from sftflow.tasks.train.launch import TrainResult
+from sftflow.tasks.core.manifests import EvalReport, PlanManifest, PromoteResult, TrainResult
 
 STAGES = ("data", "plan", "train", "eval")
 
@@ -93,10 +91,8 @@ def summary_markdown(result: SFTResult) -> str:
         "|---|---|---|---|---|",
     ]
     for name, row in m.items():
-        exact = "n/a" if row["exact_match"] is None else f"{row['exact_match']:.1%}"
-        lines.append(
-            f"| {name} | {row['loss']:.4f} | {row['perplexity']:.2f} | {row['token_accuracy']:.1%} | {exact} |"
-        )
+        exact = "n/a" if row.exact_match is None else f"{row.exact_match:.1%}"
+        lines.append(f"| {name} | {row.loss:.4f} | {row.perplexity:.2f} | {row.token_accuracy:.1%} | {exact} |")
     plot = result.eval.plot_path
     if plot and Path(plot).is_file():
         image = base64.b64encode(Path(plot).read_bytes()).decode()

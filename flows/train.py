@@ -11,9 +11,7 @@ from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.core.fingerprint import sha256_tree
-from sftflow.tasks.core.manifests import ModelRef
-from sftflow.tasks.plan.stage import PlanManifest
-from sftflow.tasks.train.launch import TrainResult
+from sftflow.tasks.core.manifests import ModelRef, PlanManifest, TrainResult
 from sftflow.tasks.train.stage import train_stage_task
 
 
@@ -40,10 +38,11 @@ def sft_train(
 
 
 def trained_model(train: TrainResult) -> ModelRef:
-    """The run's Hugging Face export, hashed, as the model to evaluate or promote."""
+    """The run's Hugging Face export, with its hash, as the model to evaluate or promote."""
     if train.hf_dir is None:
         raise ValueError(f"{train.run_dir}: training wrote no Hugging Face export (train.export is false)")
-    return ModelRef(spec=train.hf_dir, sha256=sha256_tree(train.hf_dir))
+    # A result written before the export's hash was recorded is hashed here.
+    return ModelRef(spec=train.hf_dir, sha256=train.hf_sha256 or sha256_tree(train.hf_dir))
 
 
 def load_train_result(work_dir: str | Path) -> TrainResult:

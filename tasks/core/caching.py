@@ -2,9 +2,10 @@
 
 A stage's cache key is a hash of
   - the stage name and its format version,
-  - a fingerprint of the source code of every sftflow module the stage runs: the import closure of its entry modules,
-    found from their import statements (`sftflow.tasks.core.code_closure`), not a hand-kept list (TASK_SOURCE alone hashes
-    only the thin task body, so a change in the plain function underneath, or in a kernel, would go unnoticed),
+  - a fingerprint of the source code of every sftflow module the stage runs: the import closure of its entry
+    modules, found from their import statements (`sftflow.tasks.core.code_closure`), not a hand-kept list
+    (TASK_SOURCE alone hashes only the thin task body, so a change in the plain function underneath, or in a
+    kernel, would go unnoticed),
   - its inputs, where manifests contribute their content hashes (never bare paths).
 
 Plain `INPUTS` is not enough: two different tasks with equal arguments would share a key.
@@ -105,7 +106,8 @@ def read_manifest(out_dir: Path, model: type[BaseModel]) -> BaseModel:
 class StageCache(CachePolicy):
     """Cache policy for a stage task whose parameters include `work_dir`.
 
-    The task body calls `self.output_dir(work_dir, inputs)` (through `StageCache.output_dir`) to learn where to write.
+    `stage_task` (in `sftflow.tasks.core.stage`) calls `output_dir(inputs)` with the task's bound arguments to learn
+    where to write, and Prefect calls `compute_key` with the same arguments, so the two cannot disagree.
     """
 
     stage: str = ""

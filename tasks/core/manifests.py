@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.plan.config import PlanConfig, PlanStats
 
 
 class Manifest(BaseModel):
@@ -30,6 +31,14 @@ class Manifest(BaseModel):
             raise FileNotFoundError(f"{self.path}: file named by the {type(self).__name__} manifest is missing")
         if sha256_file(p) != self.sha256:
             raise ValueError(f"{self.path}: content changed since the {type(self).__name__} manifest was written")
+
+
+class TokenizerRef(BaseModel):
+    """A tokenizer folder and the sha256 of its files: what every stage that tokenizes or decodes is given."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    sha256: str
 
 
 class RenderedShard(Manifest):
@@ -80,6 +89,37 @@ class DatasetIndex(Manifest):
     num_eval_tokens: int
     dropped: dict[str, int]
 
+    @property
+    def dir(self) -> Path:
+        """The index folder: `index.json` and its arrays."""
+        return Path(self.path).parent
+
+
+class PlanManifest(Manifest):
+    """`plan.npz` (see `sftflow.tasks.plan.planner`), planned from the index with this sha256."""
+
+    index_sha256: str
+    config: PlanConfig
+    stats: PlanStats
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.path).parent
+
+
+class TrainResult(BaseModel):
+    """A training run: its folder, progress, and the exported Hugging Face model with the sha256 of its files
+    (`hf_sha256`, over every file of `hf_dir`), which is what evaluation and promotion key on."""
+
+    run_dir: str
+    steps: int
+    final_loss: float | None
+    trained_tokens: int
+    metrics_path: str
+    checkpoint: str | None
+    hf_dir: str | None
+    hf_sha256: str | None = None
+
 
 class EvalConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -99,8 +139,21 @@ class ModelRef(BaseModel):
     overrides: dict[str, int | float | str | bool] = {}
 
 
+class EvalMetrics(BaseModel):
+    """One model's metrics on the eval split. `exact_match` and `overlap` are None when no answer was generated."""
+
+    model_config = ConfigDict(frozen=True)
+    loss: float  # masked mean cross-entropy over the trained tokens
+    perplexity: float
+    token_accuracy: float
+    loss_tokens: int
+    exact_match: float | None = None
+    overlap: float | None = None
+    generations: int = 0
+
+
 class EvalReport(Manifest):
-    metrics: dict[str, dict]
+    metrics: dict[str, EvalMetrics]  # "base" and "tuned"
     plot_path: str | None
     markdown_path: str
     eval_docs: int
@@ -123,5 +176,5 @@ class PromoteResult(BaseModel):
     reasons: list[str]
     champion: str | None  # the version in service after the decision
     candidate_sha256: str
-    metrics: dict[str, dict]  # "candidate" and "champion" (when there is one) on the same eval documents
+    metrics: dict[str, EvalMetrics]  # "candidate" and "champion" (when there is one) on the same eval documents
     report_path: str

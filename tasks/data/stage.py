@@ -1,9 +1,9 @@
 """Prefect tasks for the data stages: render → spans → pbin per shard, then index.
 
-Each task is a thin typed wrapper over the plain function that does the work (`render_source`,
-`tokenize_rendered_shard`, `write_pbin`, `build_index`). It writes into a folder named by its content-derived cache key
-(see `sftflow.tasks.core.caching`) and returns a small manifest. Bad input raises `ValueError` and is not retried; transient
-I/O errors (`OSError`) are.
+Each task is a few lines over the plain function that does the work (`render_source`, `tokenize_rendered_shard`,
+`write_pbin`, `build_index`), made a cached task by `sftflow.tasks.core.stage.stage_task`: it writes into a folder
+named by its content-derived key and returns a small manifest. Bad input raises `ValueError` and is not retried;
+transient I/O errors (`OSError`) are.
 """
 
 from __future__ import annotations
@@ -14,27 +14,21 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.core.atomic import write_atomic
-from sftflow.tasks.core.caching import (
-    StageCache,
-    read_manifest,
-    retry_on_io_error,
-    write_checksums,
-    write_manifest,
-)
+from sftflow.tasks.core.caching import StageCache, read_manifest, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
-from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
-from sftflow.tasks.data.index import build_index
+from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard, TokenizerRef
+from sftflow.tasks.core.stage import stage_task
+from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
 from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
 from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
 from sftflow.tasks.data.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
 
 RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
-RESULTS = dict(persist_result=True, result_serializer="json")
 
 
 class SourceFile(BaseModel):
@@ -51,12 +45,6 @@ class SourceFile(BaseModel):
     @property
     def name(self) -> str:
         return self.path if self.range is None else f"{self.path}@{self.range.label}"
-
-
-class TokenizerRef(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    path: str
-    sha256: str
 
 
 class IndexConfig(BaseModel):
@@ -168,16 +156,13 @@ _ENTRIES = (__name__,)
 RENDER_CACHE = StageCache(stage="render", version="1", entries=_ENTRIES)
 SPANS_CACHE = StageCache(stage="spans", version="1", entries=_ENTRIES)
 PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), entries=_ENTRIES)
-INDEX_CACHE = StageCache(stage="index", version="1", entries=_ENTRIES)
+INDEX_CACHE = StageCache(stage="index", version=str(INDEX_FORMAT_VERSION), entries=_ENTRIES)
 
 
-@task(name="render", cache_policy=RENDER_CACHE, task_run_name="render-{source.name}", **RETRY, **RESULTS)
+@stage_task(RENDER_CACHE, name="render", task_run_name="render-{source.name}", **RETRY)
 def render_task(
-    source: SourceFile, tokenizer: TokenizerRef, template_sha: str, config: RenderConfig, work_dir: str
+    out_dir: Path, source: SourceFile, tokenizer: TokenizerRef, template_sha: str, config: RenderConfig, work_dir: str
 ) -> RenderedShard:
-    inputs = dict(source=source, tokenizer=tokenizer, template_sha=template_sha, config=config, work_dir=work_dir)
-    out_dir = RENDER_CACHE.output_dir(inputs)
-    out_dir.mkdir(parents=True, exist_ok=True)
     template = resolve_template(config, tokenizer.path)
     record_config = config
     if source.range is not None and config.format == "auto":
@@ -192,8 +177,8 @@ def render_task(
         source_range=source.range,
     )
     if stats.records == 0 and source.range is None:
-        get_run_logger().warning("%s: no records (an empty file?); it adds nothing to the dataset", source.path)
-    manifest = RenderedShard(
+        _logger().warning("%s: no records (an empty file?); it adds nothing to the dataset", source.path)
+    return RenderedShard(
         path=stats.out_path,
         sha256=sha256_file(stats.out_path),
         source_path=source.path,
@@ -205,18 +190,14 @@ def render_task(
         rejects_path=stats.rejects_path,
         config_sha256=sha256_json(config.model_dump(mode="json")),
     )
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest
 
 
-@task(name="spans", cache_policy=SPANS_CACHE, **RETRY, **RESULTS)
-def spans_task(rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansConfig, work_dir: str) -> TokenizedShard:
-    rendered.verify()
-    out_dir = SPANS_CACHE.output_dir(dict(rendered=rendered, tokenizer=tokenizer, config=config, work_dir=work_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
+@stage_task(SPANS_CACHE, name="spans", **RETRY)
+def spans_task(
+    out_dir: Path, rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansConfig, work_dir: str
+) -> TokenizedShard:
     stats = tokenize_rendered_shard(rendered.path, tokenizer.path, config, out_dir / "tokenized.npz")
-    manifest = TokenizedShard(
+    return TokenizedShard(
         path=stats.out_path,
         sha256=sha256_file(stats.out_path),
         rendered_sha256=rendered.sha256,
@@ -229,9 +210,6 @@ def spans_task(rendered: RenderedShard, tokenizer: TokenizerRef, config: SpansCo
         config_sha256=sha256_json(config.model_dump(mode="json")),
         tokenizer_backend=stats.tokenizer_backend,
     )
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest
 
 
 def _vocab_size(tokenizer: TokenizerRef) -> int:
@@ -240,12 +218,10 @@ def _vocab_size(tokenizer: TokenizerRef) -> int:
     return len(AutoTokenizer.from_pretrained(tokenizer.path))
 
 
-@task(name="pbin", cache_policy=PBIN_CACHE, **RETRY, **RESULTS)
-def pbin_task(tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: TokenizerRef, work_dir: str) -> PbinShard:
-    tokenized.verify()
-    inputs = dict(tokenized=tokenized, rendered=rendered, tokenizer=tokenizer, work_dir=work_dir)
-    out_dir = PBIN_CACHE.output_dir(inputs)
-    out_dir.mkdir(parents=True, exist_ok=True)
+@stage_task(PBIN_CACHE, name="pbin", **RETRY)
+def pbin_task(
+    out_dir: Path, tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: TokenizerRef, work_dir: str
+) -> PbinShard:
     provenance = {
         "source_sha256": rendered.source_sha256,
         "template_sha256": rendered.template_sha256,
@@ -255,17 +231,11 @@ def pbin_task(tokenized: TokenizedShard, rendered: RenderedShard, tokenizer: Tok
         provenance["source_range"] = rendered.source_range
     docs = load_tokenized_shard(tokenized.path)
     info = write_pbin(out_dir / "shard.pbin", docs, vocab_size=_vocab_size(tokenizer), provenance=provenance)
-    manifest = PbinShard(**asdict(info))
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest
+    return PbinShard(**asdict(info))
 
 
-@task(name="index", cache_policy=INDEX_CACHE, **RETRY, **RESULTS)
-def index_task(shards: list[PbinShard], config: IndexConfig, work_dir: str) -> DatasetIndex:
-    for shard in shards:
-        shard.verify()
-    out_dir = INDEX_CACHE.output_dir(dict(shards=shards, config=config, work_dir=work_dir))
+@stage_task(INDEX_CACHE, name="index", **RETRY)
+def index_task(out_dir: Path, shards: list[PbinShard], config: IndexConfig, work_dir: str) -> DatasetIndex:
     info = build_index(
         [s.path for s in shards],
         out_dir,
@@ -275,7 +245,7 @@ def index_task(shards: list[PbinShard], config: IndexConfig, work_dir: str) -> D
         split_salt=config.split_salt,
         shard_sha256s=[s.sha256 for s in shards],
     )
-    manifest = DatasetIndex(
+    return DatasetIndex(
         path=str(info.path),
         sha256=info.sha256,
         shards=shards,
@@ -285,9 +255,6 @@ def index_task(shards: list[PbinShard], config: IndexConfig, work_dir: str) -> D
         num_eval_tokens=info.num_eval_tokens,
         dropped=dict(info.dropped),
     )
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest
 
 
 def load_index_manifest(index_dir: str | Path) -> DatasetIndex:

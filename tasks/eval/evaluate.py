@@ -19,16 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class ModelMetrics:
-    loss: float
-    perplexity: float
-    token_accuracy: float
-    loss_tokens: int
-    exact_match: float | None = None
-    overlap: float | None = None
-    generations: int = 0
+from sftflow.tasks.core.manifests import EvalMetrics
 
 
 @dataclass
@@ -49,7 +40,7 @@ def _targets(ids: np.ndarray, spans: np.ndarray) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def masked_metrics(model, docs: Sequence[tuple[np.ndarray, np.ndarray]]) -> ModelMetrics:
+def masked_metrics(model, docs: Sequence[tuple[np.ndarray, np.ndarray]]) -> EvalMetrics:
     model.eval()
     device = next(model.parameters()).device
     loss_sum, correct, count = 0.0, 0, 0
@@ -67,7 +58,7 @@ def masked_metrics(model, docs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Mode
     if count == 0:
         raise ValueError("the eval split has no trained tokens: nothing to evaluate")
     loss = loss_sum / count
-    return ModelMetrics(
+    return EvalMetrics(
         loss=loss, perplexity=math.exp(min(loss, 50.0)), token_accuracy=correct / count, loss_tokens=count
     )
 
@@ -115,12 +106,12 @@ def greedy_answers(model, tokenizer, prompts: Sequence[np.ndarray], max_new_toke
 
 @dataclass
 class EvalResult:
-    metrics: dict[str, ModelMetrics]
+    metrics: dict[str, EvalMetrics]
     examples: list[Example]
 
     def to_json(self) -> dict:
         return {
-            "metrics": {k: asdict(v) for k, v in self.metrics.items()},
+            "metrics": {k: v.model_dump() for k, v in self.metrics.items()},
             "examples": [asdict(e) for e in self.examples],
         }
 
@@ -152,8 +143,6 @@ def evaluate_models(
             overlap = float(np.mean([overlap_score(a, r) for a, r in zip(answers, references, strict=True)]))
             for example, answer in zip(examples, answers, strict=False):
                 example.outputs[name] = answer
-            base = ModelMetrics(
-                **{**asdict(base), "exact_match": exact, "overlap": overlap, "generations": len(prompts)}
-            )
+            base = base.model_copy(update={"exact_match": exact, "overlap": overlap, "generations": len(prompts)})
         metrics[name] = base
     return EvalResult(metrics=metrics, examples=examples)

@@ -8,24 +8,32 @@ import json
 from pathlib import Path
 
 from sftflow.tasks.core.atomic import write_atomic
-from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, ModelRef, PromoteConfig, PromoteResult
+from sftflow.tasks.core.manifests import (
+    DatasetIndex,
+    EvalConfig,
+    EvalMetrics,
+    ModelRef,
+    PromoteConfig,
+    PromoteResult,
+    TokenizerRef,
+)
 from sftflow.tasks.eval.registry import Registry
 
 
-def decide(candidate: dict, champion: dict | None, config: PromoteConfig) -> tuple[bool, list[str]]:
-    """Whether `candidate` replaces `champion` (metrics dicts as `ModelMetrics` writes them), and why."""
+def decide(candidate: EvalMetrics, champion: EvalMetrics | None, config: PromoteConfig) -> tuple[bool, list[str]]:
+    """Whether `candidate` replaces `champion`, and why."""
     if champion is None:
         return True, ["no champion yet: the first model is promoted"]
     reasons, ok = [], True
-    bar = champion["loss"] * (1 - config.min_improvement)
-    if candidate["loss"] < bar:
-        reasons.append(f"loss {candidate['loss']:.4f} < {bar:.4f} (champion {champion['loss']:.4f})")
+    bar = champion.loss * (1 - config.min_improvement)
+    if candidate.loss < bar:
+        reasons.append(f"loss {candidate.loss:.4f} < {bar:.4f} (champion {champion.loss:.4f})")
     else:
         ok = False
         need = f" by {config.min_improvement:.1%}" if config.min_improvement else ""
-        reasons.append(f"loss {candidate['loss']:.4f} does not beat the champion's {champion['loss']:.4f}{need}")
+        reasons.append(f"loss {candidate.loss:.4f} does not beat the champion's {champion.loss:.4f}{need}")
     for key in ("token_accuracy", "exact_match"):
-        new, old = candidate.get(key), champion.get(key)
+        new, old = getattr(candidate, key), getattr(champion, key)
         if new is None or old is None:
             continue
         if new < old - config.max_regression:
@@ -37,9 +45,9 @@ def decide(candidate: dict, champion: dict | None, config: PromoteConfig) -> tup
 def report_markdown(result: PromoteResult, candidate: str, champion_before: str | None) -> str:
     rows = ["| model | loss | ppl | token acc | exact |", "|---|---|---|---|---|"]
     for name, m in result.metrics.items():
-        exact = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
+        exact = "n/a" if m.exact_match is None else f"{m.exact_match:.1%}"
         label = f"{name} ({champion_before})" if name == "champion" else f"{name} ({candidate})"
-        rows.append(f"| {label} | {m['loss']:.4f} | {m['perplexity']:.2f} | {m['token_accuracy']:.1%} | {exact} |")
+        rows.append(f"| {label} | {m.loss:.4f} | {m.perplexity:.2f} | {m.token_accuracy:.1%} | {exact} |")
     lines = [f"# sft-promote: {result.decision}", "", *rows, "", *[f"- {r}" for r in result.reasons], ""]
     lines.append(f"Champion now: `{result.champion}`" if result.champion else "No champion.")
     return "\n".join(lines) + "\n"
@@ -48,7 +56,7 @@ def report_markdown(result: PromoteResult, candidate: str, champion_before: str 
 def promote(
     candidate: ModelRef,
     index: DatasetIndex,
-    tokenizer_path: str,
+    tokenizer: TokenizerRef,
     eval_config: EvalConfig,
     config: PromoteConfig,
     registry_root: str | Path,
@@ -71,11 +79,11 @@ def promote(
         if unchanged:
             ok, reasons, metrics = False, [f"the candidate is the champion {champion.name} (same files)"], {}
         else:
-            metrics = _compare(candidate, champion, index, tokenizer_path, eval_config)
+            metrics = _compare(candidate, champion, index, tokenizer, eval_config)
             ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
         now = before
         if ok:
-            card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"]}
+            card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"].model_dump()}
             version = registry.publish(candidate.spec, {**card, "eval_index_sha256": index.sha256, "sha256": sha})
             registry.set_champion(version)
             now = version.name
@@ -93,7 +101,7 @@ def promote(
     return result
 
 
-def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer_path: str, eval_config: EvalConfig):
+def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer: TokenizerRef, eval_config: EvalConfig):
     """Metrics of the candidate and the champion (if any) on the same eval documents, by name."""
     from transformers import AutoTokenizer
 
@@ -102,7 +110,7 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer_path:
     from sftflow.tasks.eval.evaluate import evaluate_models
     from sftflow.tasks.eval.stage import load_model
 
-    dataset = IndexedDataset(load_index(Path(index.path).parent, verify=True), split="eval")
+    dataset = IndexedDataset(load_index(index.dir, verify=True), split="eval")
     if len(dataset) == 0:
         raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
     count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
@@ -110,6 +118,6 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer_path:
     models = {"candidate": load_model(candidate, dataset.vocab_size)}
     if champion is not None:
         models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    evaluated = evaluate_models(models, tokenizer, docs, eval_config.max_generations, num_examples=0)
-    return {name: m.__dict__ for name, m in evaluated.metrics.items()}
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer.path)
+    evaluated = evaluate_models(models, hf_tokenizer, docs, eval_config.max_generations, num_examples=0)
+    return evaluated.metrics

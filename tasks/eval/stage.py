@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import torch
-from prefect import task
 
 from sftflow.tasks.core.atomic import write_atomic
-from sftflow.tasks.core.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
+from sftflow.tasks.core.caching import StageCache, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file
-from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef
+from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef, TokenizerRef
+from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import load_index
 from sftflow.tasks.data.reader import IndexedDataset
 from sftflow.tasks.eval.evaluate import EvalResult, evaluate_models
@@ -71,21 +71,13 @@ def evaluate_run(
 EVAL_CACHE = StageCache(stage="eval", version="1", entries=(__name__,))
 
 
-@task(
-    name="evaluate",
-    cache_policy=EVAL_CACHE,
-    retries=1,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_on_io_error,
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_task(EVAL_CACHE, name="evaluate", retries=1, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
 def eval_task(
+    out_dir: Path,
     tuned: ModelRef,
     base: ModelRef | None,
     index: DatasetIndex,
-    tokenizer_path: str,
-    tokenizer_sha256: str,
+    tokenizer: TokenizerRef,
     config: EvalConfig,
     metrics_path: str | None,
     final_step: int,
@@ -93,24 +85,11 @@ def eval_task(
 ) -> EvalReport:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    index.verify()
-    inputs = dict(
-        tuned=tuned,
-        base=base,
-        index=index,
-        tokenizer_path=tokenizer_path,
-        tokenizer_sha256=tokenizer_sha256,
-        config=config,
-        metrics_path=metrics_path,
-        final_step=final_step,
-        work_dir=work_dir,
-    )
-    out_dir = EVAL_CACHE.output_dir(inputs)
     result, report = evaluate_run(
         tuned,
         base,
-        Path(index.path).parent,
-        tokenizer_path,
+        index.dir,
+        tokenizer.path,
         config,
         out_dir,
         Path(metrics_path) if metrics_path else None,
@@ -120,14 +99,11 @@ def eval_task(
     markdown = (out_dir / "report.md").read_text()
     create_markdown_artifact(markdown, key="sft-eval-report", description="base vs tuned on the eval split")
     create_table_artifact(metrics_table(result), key="sft-eval-metrics", description="eval metrics")
-    manifest = EvalReport(
+    return EvalReport(
         path=str(report),
         sha256=sha256_file(report),
-        metrics={name: m.__dict__ for name, m in result.metrics.items()},
+        metrics=result.metrics,
         plot_path=str(plot) if plot.is_file() else None,
         markdown_path=str(out_dir / "report.md"),
         eval_docs=min(index.num_eval, config.max_docs or index.num_eval),
     )
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest

@@ -5,24 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from prefect import task
 
 from sftflow.tasks.core.atomic import write_atomic
-from sftflow.tasks.core.caching import StageCache, retry_on_io_error, write_checksums, write_manifest
+from sftflow.tasks.core.caching import StageCache, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file
-from sftflow.tasks.core.manifests import DatasetIndex, Manifest
+from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest
+from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import load_index
 from sftflow.tasks.data.reader import IndexedDataset
-from sftflow.tasks.plan.planner import PLAN_FORMAT_VERSION, PlanConfig, PlanStats, plan, save_plan
-
-
-class PlanManifest(Manifest):
-    index_sha256: str
-    config: PlanConfig
-    stats: PlanStats
+from sftflow.tasks.plan.planner import PLAN_FORMAT_VERSION, PlanConfig, plan, save_plan
 
 
 def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, split: str = "train"):
+    """Plan from the index alone: its lengths and trainable-target counts (the shards are not read)."""
     # The index's arrays are checked against index.json (a byte flipped in them would change the plan silently).
     dataset = IndexedDataset(load_index(index_dir, verify=True), split=split)
     if len(dataset) == 0:
@@ -46,32 +41,13 @@ def plan_into(out_dir: Path, doc_lengths: np.ndarray, target_counts: np.ndarray,
     return arrays, stats
 
 
-PLAN_CACHE = StageCache(
-    stage="plan",
-    version=str(PLAN_FORMAT_VERSION),
-    entries=(__name__,),
-)
+PLAN_CACHE = StageCache(stage="plan", version=str(PLAN_FORMAT_VERSION), entries=(__name__,))
 
 
-@task(
-    name="plan",
-    cache_policy=PLAN_CACHE,
-    retries=2,
-    retry_delay_seconds=1,
-    retry_condition_fn=retry_on_io_error,
-    persist_result=True,
-    result_serializer="json",
-)
-def plan_task(index: DatasetIndex, config: PlanConfig, work_dir: str) -> PlanManifest:
-    index.verify()
-    out_dir = PLAN_CACHE.output_dir(dict(index=index, config=config, work_dir=work_dir))
-    _, stats = plan_from_index(Path(index.path).parent, config, out_dir)
+@stage_task(PLAN_CACHE, name="plan", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
+def plan_task(out_dir: Path, index: DatasetIndex, config: PlanConfig, work_dir: str) -> PlanManifest:
+    _, stats = plan_from_index(index.dir, config, out_dir)
     # Planning time varies run to run; keep it out of the manifest so the manifest is a pure function of its inputs.
     stats = stats.model_copy(update={"planning_seconds": 0.0})
     path = out_dir / "plan.npz"
-    manifest = PlanManifest(
-        path=str(path), sha256=sha256_file(path), index_sha256=index.sha256, config=config, stats=stats
-    )
-    write_manifest(out_dir, manifest)
-    write_checksums(out_dir)
-    return manifest
+    return PlanManifest(path=str(path), sha256=sha256_file(path), index_sha256=index.sha256, config=config, stats=stats)

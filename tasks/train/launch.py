@@ -29,10 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
-
-from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
 from sftflow.tasks.core.locks import exclusive
+from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
 from sftflow.tasks.train.data import load_plan, plan_path
@@ -42,16 +41,6 @@ from sftflow.tasks.train.metrics import read_metrics
 WORKER_MODULE = "sftflow.tasks.train.worker"
 _KILL_GRACE_S = 10.0
 _PROGRESS_EVERY_S = 5.0
-
-
-class TrainResult(BaseModel):
-    run_dir: str
-    steps: int
-    final_loss: float | None
-    trained_tokens: int
-    metrics_path: str
-    checkpoint: str | None
-    hf_dir: str | None
 
 
 def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
@@ -321,4 +310,5 @@ def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
         metrics_path=str(run_dir / "metrics.jsonl"),
         checkpoint=str(latest) if latest else None,
         hf_dir=str(exported) if exported is not None else None,
+        hf_sha256=sha256_tree(exported) if exported is not None else None,
     )

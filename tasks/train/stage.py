@@ -12,32 +12,29 @@ from pathlib import Path
 
 from prefect import task
 
-from sftflow.tasks.core.caching import StageCache, retry_unless_bad_input, write_checksums
-from sftflow.tasks.core.manifests import DatasetIndex
-from sftflow.tasks.data.stage import TokenizerRef
-from sftflow.tasks.plan.stage import PlanManifest
+from sftflow.tasks.core.caching import StageCache, retry_unless_bad_input
+from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest, TokenizerRef, TrainResult
+from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, TrainOptions
-from sftflow.tasks.train.launch import TrainResult, train
+from sftflow.tasks.train.launch import train
 
 # The worker runs by name (`torchrun -m`), so it is an entry of its own beside this module.
 TRAIN_CACHE = StageCache(stage="train", version="1", entries=(__name__, "sftflow.tasks.train.worker"))
 
+
 # Only the export and the metrics are checked before a cached run is trusted: hashing every checkpoint of a large
 # model on each lookup would cost minutes, and checkpoints are not what later stages read.
-_CHECKED = ("hf", "metrics.jsonl")
-
-
-@task(
+@stage_task(
+    TRAIN_CACHE,
+    checked=("hf", "metrics.jsonl"),
     name="train",
-    cache_policy=TRAIN_CACHE,
     retries=2,
     retry_delay_seconds=2,
     retry_condition_fn=retry_unless_bad_input,
-    persist_result=True,
-    result_serializer="json",
 )
 def train_stage_task(
+    out_dir: Path,
     index: DatasetIndex,
     plan: PlanManifest,
     tokenizer: TokenizerRef,
@@ -45,23 +42,17 @@ def train_stage_task(
     chat_template: str | None,
     work_dir: str,
 ) -> TrainResult:
-    # First statement: `locals()` is exactly the arguments the cache policy keys on, so the two cannot drift apart.
     # Every node of a multi-node run gets the same key (`options.node_rank` is not part of it), hence one run folder.
-    run_dir = TRAIN_CACHE.output_dir(locals())
-    index.verify()
-    plan.verify()
     config = TrainConfig(
         **dict(options),
-        data=str(Path(index.path).parent),
-        plan=str(Path(plan.path).parent),
+        data=str(index.dir),
+        plan=str(plan.dir),
         tokenizer=tokenizer.path,
         chat_template=chat_template,
-        out=str(run_dir),
+        out=str(out_dir),
     )
-    resume = latest_checkpoint(run_dir / "checkpoints") is not None
-    result = train(config, resume=resume)
-    write_checksums(run_dir, include=_CHECKED)
-    return result
+    # A run that stopped part-way resumes from its latest checkpoint, whether this is a retry or a new flow run.
+    return train(config, resume=latest_checkpoint(out_dir / "checkpoints") is not None)
 
 
 @task(name="train", retries=2, retry_delay_seconds=10)

@@ -16,8 +16,8 @@ import torch
 from sftflow.flows.config import SFTConfig
 from sftflow.flows.data import sft_data
 from sftflow.flows.promote import sft_promote
+from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.eval.registry import Registry
-from sftflow.tasks.train.launch import TrainResult
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def setup(tmp_path_factory):
     work = tmp_path_factory.mktemp("promote")
     cfg = _config(work)
     data = sft_data(config=cfg)
-    train_docs = IndexedDataset(load_index(Path(data.index.path).parent), split="train")
+    train_docs = IndexedDataset(load_index(data.index.dir), split="train")
     docs = [train_docs[i] for i in range(len(train_docs))]
     models = {}
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_the_gate_promotes_better_models_and_refuses_worse_ones(setup):
 
     worse = sft_promote(config=cfg, data=data, train=_candidate(models["untrained"]))
     assert worse.decision == "kept" and worse.champion == "v0001"
-    assert worse.metrics["candidate"]["loss"] > worse.metrics["champion"]["loss"]
+    assert worse.metrics["candidate"].loss > worse.metrics["champion"].loss
     assert any("does not beat the champion" in r for r in worse.reasons)
     assert registry.versions() == ["v0001"]
 
@@ -108,7 +108,7 @@ def test_the_gate_promotes_better_models_and_refuses_worse_ones(setup):
 
     better = sft_promote(config=cfg, data=data, train=_candidate(models["trained_more"]))
     assert better.decision == "promoted" and better.champion == "v0002", better.reasons
-    assert better.metrics["candidate"]["loss"] < better.metrics["champion"]["loss"]
+    assert better.metrics["candidate"].loss < better.metrics["champion"].loss
     card = registry.champion().card
     assert card["source"]["model"] == str(models["trained_more"]) and card["eval_index_sha256"] == data.index.sha256
     history = [json.loads(line) for line in (work / "registry" / "history.jsonl").read_text().splitlines()]

@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tasks"))
 
 from train_helpers import losses, metrics, planned_mock, read_safetensors  # noqa: E402
 
+from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.launch import TrainResult, train  # noqa: E402
+from sftflow.tasks.train.launch import train  # noqa: E402
 from sftflow.tasks.train.stage import train_task  # noqa: E402
 from tests.flows.conftest import run_counts  # noqa: E402
 

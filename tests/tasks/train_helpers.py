@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.plan.planner import PlanArrays, PlanConfig, plan, save_plan
 from sftflow.tasks.train.config import TrainConfig
-from sftflow.tasks.train.launch import TrainResult, train
+from sftflow.tasks.train.launch import train
 from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
 
 
