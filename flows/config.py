@@ -19,14 +19,38 @@ from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.data.stage import IndexConfig
-from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.plan.config import PlanConfig, SourceShare
 from sftflow.tasks.train.config import TrainOptions
+
+
+class SourceSpec(BaseModel):
+    """One data source and, for a mixture, how much of it each epoch takes (trained tokens): a `weight` (share of
+    the mix), `max_tokens` (a cap) or `epochs` (passes, fractions allowed); see `sftflow.tasks.plan.mixture`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str = Field(description="JSONL / Parquet file or local `datasets` folder")
+    name: str | None = Field(None, description="name in stats and per-source metrics (default: the file name)")
+    weight: float | None = Field(None, gt=0, description="share of the mix's trained tokens")
+    max_tokens: int | None = Field(None, ge=1, description="at most this many trained tokens per epoch")
+    epochs: float | None = Field(None, gt=0, description="passes over this source per epoch (0.5: half, 3: thrice)")
+
+    @property
+    def share(self) -> SourceShare:
+        return SourceShare(name=self.name, weight=self.weight, max_tokens=self.max_tokens, epochs=self.epochs)
+
+    @property
+    def mixes(self) -> bool:
+        return self.weight is not None or self.max_tokens is not None or self.epochs is not None
 
 
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[str] = Field(min_length=1, description="JSONL / Parquet files or local `datasets` folders")
+    sources: list[str | SourceSpec] = Field(
+        min_length=1,
+        description="JSONL / Parquet files or local `datasets` folders, each a path or {path, name, weight, "
+        "max_tokens, epochs}",
+    )
     tokenizer: str = Field(description="tokenizer folder or hub id")
     render: RenderConfig = RenderConfig()
     spans: SpansConfig = SpansConfig()
@@ -48,7 +72,30 @@ class DataConfig(BaseModel):
     def _one_shard_size(self):
         if self.shard_bytes is not None and self.shard_records is not None:
             raise ValueError("data: give at most one of shard_bytes and shard_records")
+        self.source_specs  # noqa: B018 -- names must be unique; checked once here
         return self
+
+    @property
+    def source_specs(self) -> list[SourceSpec]:
+        """Every source as a `SourceSpec` with its name: the given one, else the file name, else (two sources of
+        the same file name) the path."""
+        specs = [SourceSpec(path=s) if isinstance(s, str) else s for s in self.sources]
+        file_names = [Path(s.path).name for s in specs]
+        named = [
+            s.model_copy(update={"name": s.name or (f if file_names.count(f) == 1 else s.path)})
+            for s, f in zip(specs, file_names, strict=True)
+        ]
+        names = [s.name for s in named]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"data.sources: two sources are named {repeated}; give each a distinct `name`")
+        return named
+
+    @property
+    def mixture(self) -> tuple[SourceShare, ...]:
+        """The plan's mixture: every source's share, or () when no source asks for one (each document once)."""
+        specs = self.source_specs
+        return tuple(s.share for s in specs) if any(s.mixes for s in specs) else ()
 
 
 class PlanSection(BaseModel):
@@ -102,7 +149,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     raw["work_dir"] = str(work_dir if work_dir.is_absolute() else (p.parent / work_dir).resolve())
     data = raw.get("data") or {}
     if isinstance(data, dict) and isinstance(data.get("sources"), list):
-        data["sources"] = [str(_relative_to(p, s)) for s in data["sources"]]
+        data["sources"] = [_source_relative_to(p, s) for s in data["sources"]]
     promote = raw.get("promote") or {}
     if isinstance(promote, dict) and isinstance(promote.get("registry"), str):
         promote["registry"] = str(_relative_to(p, promote["registry"]).resolve())
@@ -113,6 +160,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             if _relative_to(p, section[key]).exists():
                 section[key] = str(_relative_to(p, section[key]))
     return raw
+
+
+def _source_relative_to(config_path: Path, source):
+    if isinstance(source, str):
+        return str(_relative_to(config_path, source))
+    if isinstance(source, dict) and isinstance(source.get("path"), str):
+        return {**source, "path": str(_relative_to(config_path, source["path"]))}
+    return source  # validation names what is wrong
 
 
 def parse_assignments(assignments: list[str]) -> dict[str, Any]:
@@ -265,7 +320,8 @@ def data_config(cfg: SFTConfig) -> DataConfig:
 def plan_config(cfg: SFTConfig) -> PlanConfig:
     section = cfg.plan.model_dump()
     num_ranks = section.pop("num_ranks") or cfg.train.nproc * cfg.train.nnodes
-    return PlanConfig(num_ranks=num_ranks, **section)
+    mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
+    return PlanConfig(num_ranks=num_ranks, mixture=mixture, **section)
 
 
 def validated_models() -> dict[str, type[BaseModel]]:

@@ -122,9 +122,12 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         dcfg = data_config(cfg)
         tokenizer = with_template_tokens(dcfg.render, tokenizer_ref(dcfg.tokenizer, work), work)
         # Shards in source order, each source's in file order: merged in that order, the index does not depend on them.
-        sources: list[SourceFile] = [
-            shard for s in dcfg.sources for shard in source_files(s, dcfg.shard_bytes, dcfg.shard_records)
+        named = [
+            (spec.name, shard)
+            for spec in dcfg.source_specs
+            for shard in source_files(spec.path, dcfg.shard_bytes, dcfg.shard_records)
         ]
+        sources: list[SourceFile] = [shard for _, shard in named]
         template_sha, template_file = training_template(dcfg.render, tokenizer, work)
         logger.info(
             "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
@@ -162,7 +165,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             shards = runner.map(
                 pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
             ).result()
-        dataset_index = index(shards, dcfg.index, wd)
+        dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named])
         result = DataResult(
             work_dir=wd,
             tokenizer=tokenizer,

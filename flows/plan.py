@@ -37,6 +37,15 @@ def sft_plan(
             s.token_imbalance,
             s.cost_imbalance,
         )
+        for source in s.sources if len(s.sources) > 1 else ():
+            get_run_logger().info(
+                "sft-plan: source %s: %.1f%% of the trained tokens (asked %.1f%%), %d visits of %d documents",
+                source.name,
+                100 * source.planned_share,
+                100 * source.requested_share,
+                source.planned_docs,
+                source.docs,
+            )
         return manifest
 
 

@@ -15,7 +15,8 @@ shard order then document order:
     eval_ids.npy       int64   positions in the eval split, ascending
 
 and `index.json` (written last, so its presence means the index is complete) with the config, counts, the dropped
-counts per reason, each shard's path (absolute and relative to `out_dir`) and sha256, and each array's sha256.
+counts per reason, the source names, each shard's path (absolute and relative to `out_dir`), sha256 and source (a
+position in `sources`, so a document's source is `sources[shards[shard]["source"]]`), and each array's sha256.
 
 Filters, in order: `too_long` (length > max_length), `no_loss_tokens` (nothing to train), `duplicate` (same content
 hash as an earlier kept document; "earlier" is shard order, then document order).
@@ -87,6 +88,16 @@ class IndexData:
 
     def __len__(self) -> int:
         return len(self.shard)
+
+    @property
+    def source_names(self) -> list[str]:
+        return list(self.meta["sources"])
+
+    @property
+    def source(self) -> np.ndarray:
+        """int32 per row: the position of its source in `source_names`."""
+        of_shard = np.asarray([s["source"] for s in self.meta["shards"]], dtype=np.int32)
+        return of_shard[self.shard] if len(of_shard) else np.zeros(len(self.shard), dtype=np.int32)
 
     def ids(self, split: str) -> np.ndarray:
         """Row positions of `split`: "train", "eval" or "all"."""
@@ -175,10 +186,13 @@ def build_index(
     eval_fraction: float = 0.0,
     split_salt: str = "sftflow",
     shard_sha256s: Sequence[str] | None = None,
+    shard_sources: Sequence[str] | None = None,
 ) -> IndexInfo:
     """Merge `pbin_paths` (in this order) into a dataset index under `out_dir`; see the module docstring.
 
     `shard_sha256s`, when given (e.g. from the `PbinShard` manifests), are recorded instead of re-hashing the files.
+    `shard_sources` names each shard's source (the config's source names); without it all shards are one source,
+    `data`.
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -186,9 +200,15 @@ def build_index(
         raise ValueError(f"max_length must be positive, got {max_length}")
     if shard_sha256s is not None and len(shard_sha256s) != len(pbin_paths):
         raise ValueError(f"got {len(shard_sha256s)} shard_sha256s for {len(pbin_paths)} pbin paths")
+    if shard_sources is not None and len(shard_sources) != len(pbin_paths):
+        raise ValueError(f"got {len(shard_sources)} shard_sources for {len(pbin_paths)} pbin paths")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     scan = _scan_shards(pbin_paths, out_dir, max_length, shard_sha256s)
+    names = list(dict.fromkeys(shard_sources)) if shard_sources is not None else ["data"]
+    for s, meta in enumerate(scan.shards_meta):
+        meta["source"] = names.index(shard_sources[s]) if shard_sources is not None else 0
+    scan.sources = names
     arrays = _dedup_and_split(scan, dedup, eval_fraction, split_salt)
     config = {"max_length": max_length, "dedup": dedup, "eval_fraction": eval_fraction, "split_salt": split_salt}
     return _write_index(out_dir, arrays, scan, config, pbin_paths)
@@ -203,6 +223,7 @@ class _Scan:
     shards_meta: list[dict]
     vocab_size: int | None
     num_docs_in: int
+    sources: list[str] = field(default_factory=list)
 
 
 def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256s) -> _Scan:
@@ -302,6 +323,7 @@ def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, conf
         "vocab_size": scan.vocab_size,
         "counts": counts,
         "dropped": scan.dropped,
+        "sources": scan.sources,
         "shards": scan.shards_meta,
         "arrays": array_meta,
     }

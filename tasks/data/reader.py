@@ -118,6 +118,9 @@ class IndexedDataset:
         self._doc = np.asarray(self.index.doc)[self.ids]
         self.lengths = np.asarray(self.index.length)[self.ids]
         self.loss_token_counts = np.asarray(self.index.loss_tokens)[self.ids]
+        # Which data source each item came from: `source_names[source_ids[i]]`.
+        self.source_names = self.index.source_names
+        self.source_ids = self.index.source[self.ids]
         self.reader = DocumentReader(self.index.shard_paths)
         self._check_shards()
 

@@ -235,7 +235,10 @@ def pbin_task(
 
 
 @stage_task(INDEX_CACHE, name="index", **RETRY)
-def index_task(out_dir: Path, shards: list[PbinShard], config: IndexConfig, work_dir: str) -> DatasetIndex:
+def index_task(
+    out_dir: Path, shards: list[PbinShard], config: IndexConfig, work_dir: str, sources: list[str] | None = None
+) -> DatasetIndex:
+    """`sources` names each shard's data source (what mixtures and per-source metrics refer to)."""
     info = build_index(
         [s.path for s in shards],
         out_dir,
@@ -244,6 +247,7 @@ def index_task(out_dir: Path, shards: list[PbinShard], config: IndexConfig, work
         eval_fraction=config.eval_fraction,
         split_salt=config.split_salt,
         shard_sha256s=[s.sha256 for s in shards],
+        shard_sources=sources,
     )
     return DatasetIndex(
         path=str(info.path),

@@ -8,11 +8,34 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class SourceShare(BaseModel):
+    """How much of one source (named as in the dataset index) a mixture takes per epoch, in trained tokens: a
+    `weight` (a share of the mix), a `max_tokens` cap, or `epochs` (passes over the source; fractions draw part of a
+    pass). At most one of them; none means one pass."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    weight: float | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> SourceShare:
+        given = [k for k in ("weight", "max_tokens", "epochs") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"source {self.name!r}: give one of weight, max_tokens and epochs, not {' and '.join(given)}"
+            )
+        return self
+
+
 class PlanConfig(BaseModel):
-    """Planner settings. Cost of a document of `L` tokens is `cost_per_token·L + cost_per_token_pair·L²` (the issue's
-    `a` and `b`); `cost_per_token_pair=None` means `1/tokens_per_rank`, i.e. a full-length document costs twice its
+    """Planner settings. Cost of a document of `L` tokens is `cost_per_token·L + cost_per_token_pair·L²`;
+    `cost_per_token_pair=None` means `1/tokens_per_rank`, i.e. a full-length document costs twice its
     tokens (see `cost_coefficients_from_model` for values from a model shape).
     Give `micro_batches_per_step` or `target_tokens_per_step` (trainable tokens per optimizer step); neither means 1.
+    `mixture`, when given, resolves each epoch's documents per source (see `sftflow.tasks.plan.mixture`); without it
+    every document is planned once per epoch.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,17 +52,35 @@ class PlanConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     cost_per_token: float = Field(1.0, ge=0)
     cost_per_token_pair: float | None = Field(None, ge=0)
+    mixture: tuple[SourceShare, ...] = ()
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> PlanConfig:
         if self.micro_batches_per_step is not None and self.target_tokens_per_step is not None:
             raise ValueError("give micro_batches_per_step or target_tokens_per_step, not both")
+        names = [s.name for s in self.mixture]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture: each source once, got {names}")
         return self
 
     @property
     def cost_coefficients(self) -> tuple[float, float]:
         b = self.cost_per_token_pair if self.cost_per_token_pair is not None else 1.0 / self.tokens_per_rank
         return self.cost_per_token, b
+
+
+class SourceStats(BaseModel):
+    """One source in a plan, over all its epochs: trained tokens (prediction targets) asked for and planned."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    docs: int  # documents of the source in the train split
+    available_tokens: int  # their trained tokens, one pass
+    requested_tokens: float  # what the mixture asks for, all epochs
+    planned_tokens: int  # what the plan trains
+    planned_docs: int  # document visits, repeats counted
+    requested_share: float
+    planned_share: float
 
 
 class PlanStats(BaseModel):
@@ -62,3 +103,4 @@ class PlanStats(BaseModel):
     avg_doc_length: float
     planning_seconds: float
     dropped_docs: int
+    sources: list[SourceStats] = []

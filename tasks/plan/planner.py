@@ -32,6 +32,7 @@ import numpy as np
 
 from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.plan.config import PlanConfig, PlanStats
+from sftflow.tasks.plan.mixture import DocSources, Mixture, resolve_mixture, source_stats
 from sftflow.tasks.plan.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
 
 PLAN_FORMAT_VERSION = 1
@@ -120,9 +121,16 @@ def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: Pl
         raise ValueError(f"{describe(doc)}: loss_token_counts={int(loss_token_counts[doc])} is outside [0, length]")
 
 
-def _epoch_rows(lengths: np.ndarray, config: PlanConfig, rng: np.random.Generator):
+def _epoch_stream(num_docs: int, config: PlanConfig, mixture: Mixture | None, rng: np.random.Generator):
+    """The documents of one epoch in visiting order: each once, or the mixture's draw (repeats allowed)."""
+    if mixture is None:
+        return rng.permutation(num_docs) if config.shuffle else np.arange(num_docs)
+    docs = mixture.draw(rng)
+    return rng.permutation(docs) if config.shuffle else np.sort(docs, kind="stable")
+
+
+def _epoch_rows(lengths: np.ndarray, stream: np.ndarray, config: PlanConfig):
     """Rows of one epoch before grouping: `(doc_ids, row_of_doc, num_rows)`."""
-    stream = rng.permutation(len(lengths)) if config.shuffle else np.arange(len(lengths))
     if config.mode == "packed":
         return lpt_pack_rows(lengths, stream, config.tokens_per_rank)
     if config.mode == "padded":
@@ -193,27 +201,38 @@ def _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config: PlanConfig, m
 
 
 def plan(
-    lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig, describe=lambda doc: f"doc {doc}"
+    lengths: np.ndarray,
+    loss_token_counts: np.ndarray,
+    config: PlanConfig,
+    describe=lambda doc: f"doc {doc}",
+    sources: DocSources | None = None,
 ) -> tuple[PlanArrays, PlanStats]:
     """Plan `config.epochs` epochs over documents with the given lengths and trainable-target counts.
 
     `loss_token_counts[i]` must count the targets the collator will train for doc `i` (tokens in loss spans other
     than the doc's first token), so `step_loss_tokens` equals the sum of the step's `num_loss_tokens`. `describe(i)`
-    names doc `i` in error messages (its `file:line`, when the caller knows it).
+    names doc `i` in error messages (its `file:line`, when the caller knows it). `sources` (each document's source)
+    is needed for `config.mixture` and adds per-source statistics.
     """
     start = time.perf_counter()
     lengths = np.asarray(lengths).astype(np.int64)
     loss_token_counts = np.asarray(loss_token_counts).astype(np.int64)
     _check_inputs(lengths, loss_token_counts, config, describe)
+    if config.mixture and sources is None:
+        raise ValueError("a mixture needs each document's source (plan from a dataset index)")
+    mixture = resolve_mixture(config.mixture, sources, loss_token_counts) if config.mixture else None
     n = config.num_ranks
     doc_parts, slot_parts, dropped_parts, epoch_slots = [], [], [], []
     m = None
     slot_base = 0
     for epoch in range(config.epochs):
         rng = np.random.default_rng([config.seed, epoch])
-        doc_ids, row_of_doc, num_rows = _epoch_rows(lengths, config, rng)
+        stream = _epoch_stream(len(lengths), config, mixture, rng)
+        if len(stream) == 0:
+            raise ValueError("nothing to plan: the mixture draws no documents")
+        doc_ids, row_of_doc, num_rows = _epoch_rows(lengths, stream, config)
         if m is None:
-            m = _resolve_micro_batches(config, int(loss_token_counts.sum()), num_rows)
+            m = _resolve_micro_batches(config, int(loss_token_counts[stream].sum()), num_rows)
         docs, slots, num_slots, dropped = _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config, m, rng)
         doc_parts.append(docs)
         slot_parts.append(slots + slot_base)
@@ -256,6 +275,10 @@ def plan(
         mode=config.mode,
     )
     stats = plan_stats(arrays, lengths, config, steps_per_epoch, time.perf_counter() - start)
+    if sources is not None:
+        requested = mixture.requested if mixture is not None else None
+        per_source = source_stats(sources, loss_token_counts, doc_ids, requested, config.epochs)
+        stats = stats.model_copy(update={"sources": per_source})
     return arrays, stats
 
 

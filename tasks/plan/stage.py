@@ -13,6 +13,7 @@ from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import load_index
 from sftflow.tasks.data.reader import IndexedDataset
+from sftflow.tasks.plan.mixture import DocSources
 from sftflow.tasks.plan.planner import PLAN_FORMAT_VERSION, PlanConfig, plan, save_plan
 
 
@@ -28,13 +29,22 @@ def plan_from_index(index_dir: str | Path, config: PlanConfig, out_dir: Path, sp
             f"dropped {dropped}); check that the sources hold records (an empty file yields none) and the rejects "
             "files of the render and spans stages"
         )
-    return plan_into(out_dir, np.asarray(dataset.lengths), dataset.trainable_target_counts(), config, dataset.source)
+    sources = DocSources(names=dataset.source_names, source_of_doc=dataset.source_ids)
+    targets = dataset.trainable_target_counts()
+    return plan_into(out_dir, np.asarray(dataset.lengths), targets, config, dataset.source, sources)
 
 
-def plan_into(out_dir: Path, doc_lengths: np.ndarray, target_counts: np.ndarray, config: PlanConfig, describe):
+def plan_into(
+    out_dir: Path,
+    doc_lengths: np.ndarray,
+    target_counts: np.ndarray,
+    config: PlanConfig,
+    describe,
+    sources: DocSources | None = None,
+):
     """`out_dir/plan.npz` and `out_dir/stats.json` for documents of these lengths and trained-target counts;
-    `describe(doc)` names a document in errors."""
-    arrays, stats = plan(doc_lengths, target_counts, config, describe)
+    `describe(doc)` names a document in errors; `sources` gives each document's source (for mixtures)."""
+    arrays, stats = plan(doc_lengths, target_counts, config, describe, sources)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(arrays, out_dir / "plan.npz")
     write_atomic(out_dir / "stats.json", stats.model_dump_json(indent=2))

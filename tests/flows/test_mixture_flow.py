@@ -1,0 +1,67 @@
+"""A three-source mixture through the real `sft-data` and `sft-plan` flows: sources keep their names from the config
+file, the plan meets the requested shares, and a weight change reruns the plan alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sftflow.flows.data import sft_data
+from sftflow.flows.plan import sft_plan
+from sftflow.tasks.demo import write_demo
+from tests.flows.conftest import task_states
+
+pytestmark = pytest.mark.slow
+
+
+def _write_config(folder: Path, demo: dict, weights: list[float]) -> Path:
+    config = {
+        "work_dir": "work",
+        "data": {
+            "sources": [
+                {"path": "data/chat.jsonl", "weight": weights[0]},
+                {"path": "data/code.jsonl", "name": "code", "weight": weights[1]},
+                {"path": "data/math.jsonl", "weight": weights[2]},
+            ],
+            "tokenizer": str(demo["tokenizer"]),
+            "render": {"template": "chatml"},
+            "index": {"eval_fraction": 0.1},
+        },
+        "plan": {"tokens_per_rank": 512},
+    }
+    path = folder / "mix.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_path):
+    demo = write_demo(tmp_path / "demo", n=150)
+    lines = Path(demo["data"]).read_text().splitlines(keepends=True)
+    (tmp_path / "data").mkdir()
+    for name, part in (("chat", lines[:80]), ("code", lines[80:120]), ("math", lines[120:])):
+        (tmp_path / "data" / f"{name}.jsonl").write_text("".join(part))
+
+    config_path = _write_config(tmp_path, demo, [0.2, 0.3, 0.5])
+    data = sft_data(config_path=str(config_path))
+    assert json.loads(Path(data.index.path).read_text())["sources"] == ["chat.jsonl", "code", "math.jsonl"]
+    plan = sft_plan(config_path=str(config_path), data=data)
+    shares = {s.name: s for s in plan.stats.sources}
+    for name, weight in (("chat.jsonl", 0.2), ("code", 0.3), ("math.jsonl", 0.5)):
+        assert shares[name].requested_share == pytest.approx(weight)
+        assert abs(shares[name].planned_share - weight) < 0.03, shares[name]
+    assert shares["math.jsonl"].planned_docs > shares["math.jsonl"].docs  # the small source is up-sampled
+    stats = json.loads((Path(plan.path).parent / "stats.json").read_text())
+    assert [s["name"] for s in stats["sources"]] == ["chat.jsonl", "code", "math.jsonl"]
+
+    # Another weight changes the plan, not the data: every data task is Cached.
+    config_path = _write_config(tmp_path, demo, [0.6, 0.2, 0.2])
+    state = sft_data(config_path=str(config_path), return_state=True)
+    assert all(s == "Cached" for states in task_states(state).values() for s in states), task_states(state)
+    state = sft_plan(config_path=str(config_path), data=state.result(), return_state=True)
+    assert task_states(state) == {"plan": ["Completed"]}
+    replanned = state.result()
+    assert replanned.sha256 != plan.sha256
+    assert abs({s.name: s for s in replanned.stats.sources}["chat.jsonl"].planned_share - 0.6) < 0.03
