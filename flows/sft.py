@@ -78,6 +78,8 @@ def summary_markdown(result: SFTResult) -> str:
     URL image in markdown, checked in headless Chromium by tests/deployments)."""
     import base64
 
+    from sftflow.tasks.eval.report import source_rows
+
     s, t, m = result.plan.stats, result.train, result.eval.metrics
     lines = [
         "# sft",
@@ -93,6 +95,15 @@ def summary_markdown(result: SFTResult) -> str:
     for name, row in m.items():
         exact = "n/a" if row.exact_match is None else f"{row.exact_match:.1%}"
         lines.append(f"| {name} | {row.loss:.4f} | {row.perplexity:.2f} | {row.token_accuracy:.1%} | {exact} |")
+    if len(s.sources) > 1:
+        lines += ["", "| source | planned share (asked) | document visits |", "|---|---|---|"]
+        lines += [
+            f"| {src.name} | {src.planned_share:.1%} ({src.requested_share:.1%}) | {src.planned_docs} of {src.docs} |"
+            for src in s.sources
+        ]
+    by_source = source_rows(m)
+    if by_source:
+        lines += ["", *by_source]
     plot = result.eval.plot_path
     if plot and Path(plot).is_file():
         image = base64.b64encode(Path(plot).read_bytes()).decode()

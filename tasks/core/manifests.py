@@ -139,8 +139,19 @@ class ModelRef(BaseModel):
     overrides: dict[str, int | float | str | bool] = {}
 
 
+class SourceMetrics(BaseModel):
+    """One model's masked metrics on the eval documents of one data source."""
+
+    model_config = ConfigDict(frozen=True)
+    loss: float
+    token_accuracy: float
+    loss_tokens: int
+    docs: int
+
+
 class EvalMetrics(BaseModel):
-    """One model's metrics on the eval split. `exact_match` and `overlap` are None when no answer was generated."""
+    """One model's metrics on the eval split. `exact_match` and `overlap` are None when no answer was generated.
+    `by_source` breaks the masked metrics down by data source (its `loss_tokens` add up to the total)."""
 
     model_config = ConfigDict(frozen=True)
     loss: float  # masked mean cross-entropy over the trained tokens
@@ -150,6 +161,7 @@ class EvalMetrics(BaseModel):
     exact_match: float | None = None
     overlap: float | None = None
     generations: int = 0
+    by_source: dict[str, SourceMetrics] = {}
 
 
 class EvalReport(Manifest):
@@ -162,12 +174,16 @@ class EvalReport(Manifest):
 class PromoteConfig(BaseModel):
     """When a newly trained model replaces the champion: both are evaluated on the current eval split, and the new
     one is promoted if its masked loss is lower by at least `min_improvement` (relative) and neither its token
-    accuracy nor its exact match (where measured) is lower by more than `max_regression` (absolute)."""
+    accuracy nor its exact match (where measured) is lower by more than `max_regression` (absolute), and, with
+    `max_source_regression`, its loss on no data source is higher than the champion's by more than that fraction."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     registry: str | None = Field(None, description="registry folder (default: <work_dir>/registry)")
     min_improvement: float = Field(0.0, ge=0, lt=1, description="relative loss improvement the new model needs")
     max_regression: float = Field(0.01, ge=0, le=1, description="largest drop allowed in token accuracy and exact")
+    max_source_regression: float | None = Field(
+        None, ge=0, description="largest relative loss increase allowed on any one data source (0.01: 1%)"
+    )
 
 
 class PromoteResult(BaseModel):

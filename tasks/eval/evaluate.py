@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from sftflow.tasks.core.manifests import EvalMetrics
+from sftflow.tasks.core.manifests import EvalMetrics, SourceMetrics
 
 
 @dataclass
@@ -40,11 +40,14 @@ def _targets(ids: np.ndarray, spans: np.ndarray) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def masked_metrics(model, docs: Sequence[tuple[np.ndarray, np.ndarray]]) -> EvalMetrics:
+def masked_metrics(
+    model, docs: Sequence[tuple[np.ndarray, np.ndarray]], sources: Sequence[str] | None = None
+) -> EvalMetrics:
+    """Masked loss and token accuracy over `docs`; with `sources` (each document's data source) also per source."""
     model.eval()
     device = next(model.parameters()).device
-    loss_sum, correct, count = 0.0, 0, 0
-    for ids, spans in docs:
+    sums: dict[str, list[float]] = {}  # source -> [loss sum, correct, count, docs]
+    for i, (ids, spans) in enumerate(docs):
         input_ids, labels = _targets(np.asarray(ids), spans)
         keep = labels != -100
         if not keep.any():
@@ -52,14 +55,27 @@ def masked_metrics(model, docs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Eval
         logits = model(input_ids=input_ids[None].to(device)).logits[0].float()
         target = labels.to(device)[keep.to(device)]
         picked = logits[keep.to(device)]
-        loss_sum += torch.nn.functional.cross_entropy(picked, target, reduction="sum").item()
-        correct += int((picked.argmax(-1) == target).sum())
-        count += int(keep.sum())
+        row = sums.setdefault(sources[i] if sources is not None else "", [0.0, 0, 0, 0])
+        row[0] += torch.nn.functional.cross_entropy(picked, target, reduction="sum").item()
+        row[1] += int((picked.argmax(-1) == target).sum())
+        row[2] += int(keep.sum())
+        row[3] += 1
+    loss_sum, correct, count = (sum(r[k] for r in sums.values()) for k in range(3))
     if count == 0:
         raise ValueError("the eval split has no trained tokens: nothing to evaluate")
     loss = loss_sum / count
+    by_source = {}
+    if sources is not None:
+        by_source = {
+            name: SourceMetrics(loss=r[0] / r[2], token_accuracy=r[1] / r[2], loss_tokens=r[2], docs=r[3])
+            for name, r in sorted(sums.items())
+        }
     return EvalMetrics(
-        loss=loss, perplexity=math.exp(min(loss, 50.0)), token_accuracy=correct / count, loss_tokens=count
+        loss=loss,
+        perplexity=math.exp(min(loss, 50.0)),
+        token_accuracy=correct / count,
+        loss_tokens=count,
+        by_source=by_source,
     )
 
 
@@ -122,8 +138,10 @@ def evaluate_models(
     docs: Sequence[tuple[np.ndarray, np.ndarray]],
     max_generations: int = 64,
     num_examples: int = 4,
+    sources: Sequence[str] | None = None,
 ) -> EvalResult:
-    """Masked metrics for every model on `docs`, plus greedy generation on the first `max_generations` docs."""
+    """Masked metrics for every model on `docs` (per data source too, given each document's `sources`), plus greedy
+    generation on the first `max_generations` docs."""
     eos_id = tokenizer.eos_token_id
     gen_docs = [d for d in docs if len(np.asarray(d[1]).reshape(-1, 2))][:max_generations]
     splits = [prompt_and_reference(np.asarray(ids), spans, eos_id) for ids, spans in gen_docs]
@@ -136,7 +154,7 @@ def evaluate_models(
     ]
     metrics = {}
     for name, model in models.items():
-        base = masked_metrics(model, docs)
+        base = masked_metrics(model, docs, sources)
         if prompts:
             answers = greedy_answers(model, tokenizer, prompts, budgets)
             exact = float(np.mean([a == r for a, r in zip(answers, references, strict=True)]))

@@ -18,6 +18,7 @@ from sftflow.tasks.core.manifests import (
     TokenizerRef,
 )
 from sftflow.tasks.eval.registry import Registry
+from sftflow.tasks.eval.report import source_rows
 
 
 def decide(candidate: EvalMetrics, champion: EvalMetrics | None, config: PromoteConfig) -> tuple[bool, list[str]]:
@@ -39,6 +40,18 @@ def decide(candidate: EvalMetrics, champion: EvalMetrics | None, config: Promote
         if new < old - config.max_regression:
             ok = False
             reasons.append(f"{key} {new:.3f} fell more than {config.max_regression:.3f} below the champion's {old:.3f}")
+    if config.max_source_regression is not None:
+        for source, old in champion.by_source.items():
+            new = candidate.by_source.get(source)
+            if new is None:
+                continue  # the source left the eval set; the overall rule covers what remains
+            ceiling = old.loss * (1 + config.max_source_regression)
+            if new.loss > ceiling:
+                ok = False
+                reasons.append(
+                    f"source {source}: loss {new.loss:.4f} is more than {config.max_source_regression:.1%} above the "
+                    f"champion's {old.loss:.4f}"
+                )
     return ok, reasons
 
 
@@ -48,7 +61,8 @@ def report_markdown(result: PromoteResult, candidate: str, champion_before: str 
         exact = "n/a" if m.exact_match is None else f"{m.exact_match:.1%}"
         label = f"{name} ({champion_before})" if name == "champion" else f"{name} ({candidate})"
         rows.append(f"| {label} | {m.loss:.4f} | {m.perplexity:.2f} | {m.token_accuracy:.1%} | {exact} |")
-    lines = [f"# sft-promote: {result.decision}", "", *rows, "", *[f"- {r}" for r in result.reasons], ""]
+    lines = [f"# sft-promote: {result.decision}", "", *rows, "", *source_rows(result.metrics), ""]
+    lines += [*[f"- {r}" for r in result.reasons], ""]
     lines.append(f"Champion now: `{result.champion}`" if result.champion else "No champion.")
     return "\n".join(lines) + "\n"
 
@@ -115,9 +129,12 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer: Toke
         raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
     count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
     docs = [dataset[i] for i in range(count)]
+    sources = [dataset.source_names[s] for s in dataset.source_ids[:count]]
     models = {"candidate": load_model(candidate, dataset.vocab_size)}
     if champion is not None:
         models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer.path)
-    evaluated = evaluate_models(models, hf_tokenizer, docs, eval_config.max_generations, num_examples=0)
+    evaluated = evaluate_models(
+        models, hf_tokenizer, docs, eval_config.max_generations, num_examples=0, sources=sources
+    )
     return evaluated.metrics

@@ -15,7 +15,7 @@ from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import load_index
 from sftflow.tasks.data.reader import IndexedDataset
 from sftflow.tasks.eval.evaluate import EvalResult, evaluate_models
-from sftflow.tasks.eval.report import markdown_summary, metrics_table, plot_loss_curve
+from sftflow.tasks.eval.report import markdown_summary, metrics_table, plot_loss_curve, plot_source_losses, source_table
 
 
 def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
@@ -54,15 +54,17 @@ def evaluate_run(
         raise ValueError(f"{index_dir}: the eval split is empty; set index.eval_fraction > 0")
     count = len(dataset) if config.max_docs is None else min(len(dataset), config.max_docs)
     docs = [dataset[i] for i in range(count)]
+    sources = [dataset.source_names[s] for s in dataset.source_ids[:count]]
     models = {}
     if base is not None:
         models["base"] = load_model(base, dataset.vocab_size)
     models["tuned"] = load_model(tuned, dataset.vocab_size)
-    result = evaluate_models(models, tokenizer, docs, config.max_generations, config.num_examples)
+    result = evaluate_models(models, tokenizer, docs, config.max_generations, config.num_examples, sources=sources)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot = None
     if metrics_path is not None:
         plot = plot_loss_curve(metrics_path, result, final_step, out_dir / "loss_curve.png")
+    plot_source_losses(result, out_dir / "source_loss.png")
     write_atomic(out_dir / "report.json", json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     write_atomic(out_dir / "report.md", markdown_summary(result, plot))
     return result, out_dir / "report.json"
@@ -99,6 +101,9 @@ def eval_task(
     markdown = (out_dir / "report.md").read_text()
     create_markdown_artifact(markdown, key="sft-eval-report", description="base vs tuned on the eval split")
     create_table_artifact(metrics_table(result), key="sft-eval-metrics", description="eval metrics")
+    per_source = source_table(result.metrics)
+    if len({row["source"] for row in per_source}) > 1:
+        create_table_artifact(per_source, key="sft-eval-sources", description="eval metrics by data source")
     return EvalReport(
         path=str(report),
         sha256=sha256_file(report),
