@@ -8,18 +8,17 @@ transient I/O errors (`OSError`) are.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.caching import StageCache, read_manifest, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
+from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
@@ -87,15 +86,6 @@ def tokenizer_ref(path_or_id: str, work_dir: str | Path) -> TokenizerRef:
     return TokenizerRef(path=str(out.resolve()), sha256=sha256_tree(out))
 
 
-def _logger():
-    from prefect.exceptions import MissingContextError
-
-    try:
-        return get_run_logger()
-    except MissingContextError:  # called outside a flow (scripts, tests)
-        return logging.getLogger("sftflow.data")
-
-
 def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path) -> TokenizerRef:
     """The tokenizer, or a copy with the special tokens the template writes and the tokenizer lacks (ChatML on a Llama
     base) added, saved once in `work_dir/tokenizers/`. Training then grows the model's embeddings to match
@@ -122,7 +112,7 @@ def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir
             os.rename(aside, out)
         except OSError:  # another run saved the same tokenizer first
             shutil.rmtree(aside, ignore_errors=True)
-    _logger().info(
+    stage_logger("sftflow.data").info(
         "tokenizer %s lacks %s, which template %s writes: added them (%d tokens now)",
         tokenizer.path,
         missing,
@@ -177,7 +167,9 @@ def render_task(
         source_range=source.range,
     )
     if stats.records == 0 and source.range is None:
-        _logger().warning("%s: no records (an empty file?); it adds nothing to the dataset", source.path)
+        stage_logger("sftflow.data").warning(
+            "%s: no records (an empty file?); it adds nothing to the dataset", source.path
+        )
     return RenderedShard(
         path=stats.out_path,
         sha256=sha256_file(stats.out_path),
