@@ -20,6 +20,7 @@ from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.data.stage import IndexConfig
 from sftflow.tasks.plan.config import PlanConfig, SourceShare
+from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions
 
 
@@ -129,6 +130,7 @@ class SFTConfig(BaseModel):
     train: TrainOptions = TrainOptions()
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
+    track: TrackConfig = TrackConfig()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:

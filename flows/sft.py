@@ -1,4 +1,5 @@
-"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-promote), each also a flow of its own.
+"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-promote) (→ track), each stage also a flow of its
+own; `track` sends the finished run to the trackers the config names.
 
 Every stage is cached on content: a rerun with the same inputs is Cached end to end; editing the chat template
 reruns data and everything after it; changing only the learning rate reruns train and eval. `force` names stages to
@@ -21,6 +22,8 @@ from sftflow.flows.results import work_dir_lock
 from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
 from sftflow.tasks.core.manifests import EvalReport, PlanManifest, PromoteResult, TrainResult
+from sftflow.tasks.track.sinks import TrackedRun
+from sftflow.tasks.track.stage import track_task
 
 STAGES = ("data", "plan", "train", "eval")
 
@@ -32,6 +35,7 @@ class SFTResult(BaseModel):
     train: TrainResult
     eval: EvalReport
     promotion: PromoteResult | None = None
+    tracking: list[TrackedRun] = []
 
 
 @flow(name="sft", log_prints=True)
@@ -63,7 +67,10 @@ def sft(
             trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
         promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
-    result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion)
+        tracking = []
+        if cfg.track.enabled:
+            tracking = track_task(cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir)
+    result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion, tracking=tracking)
     from prefect.artifacts import create_markdown_artifact
 
     # On the parent run, where a deployment's run page opens: the stage runs carry the details.
@@ -109,6 +116,8 @@ def summary_markdown(result: SFTResult) -> str:
         image = base64.b64encode(Path(plot).read_bytes()).decode()
         lines += ["", f"![loss curve](data:image/png;base64,{image})"]
     lines += ["", f"Report: `{result.eval.markdown_path}`"]
+    for t in result.tracking:
+        lines += ["", f"Tracked in {t.tracker}: {t.url}" if t.ok else f"Not tracked in {t.tracker}: {t.error}"]
     if result.promotion is not None:
         p = result.promotion
         lines += ["", f"Promotion: **{p.decision}**, champion `{p.champion}`", *[f"- {r}" for r in p.reasons]]

@@ -1,0 +1,34 @@
+"""Which trackers a run is sent to (`track:` in the run config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MLflowTarget(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    uri: str = Field(description="tracking server URI (http://host:5000) or a local store (file:, sqlite:)")
+    experiment: str = "sftflow"
+    log_model: bool = Field(False, description="also upload the exported Hugging Face folder as the run's model")
+
+
+class WandbTarget(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    project: str = "sftflow"
+    entity: str | None = None
+    mode: Literal["online", "offline"] = Field("online", description="offline: write locally, `wandb sync` later")
+
+
+class TrackConfig(BaseModel):
+    """`track: {mlflow: {uri, experiment}, tensorboard: true, wandb: {project, mode}}`; none set means no tracking."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    mlflow: MLflowTarget | None = None
+    tensorboard: bool = Field(False, description="event files under WORK_DIR/tensorboard/<run>")
+    wandb: WandbTarget | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlflow is not None or self.tensorboard or self.wandb is not None

@@ -1,0 +1,157 @@
+"""One function per tracker: send a `RunRecord`, return where it went. Each imports its client only when used (the
+`track` extra: `pip install 'sftflow[track]'`), and an unreachable server is found in seconds, not after the
+clients' own minutes of retries."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from sftflow.tasks.track.config import MLflowTarget, WandbTarget
+from sftflow.tasks.track.record import RunRecord, table_markdown
+
+REACH_TIMEOUT_S = 5.0
+
+
+class TrackedRun(BaseModel):
+    """Where one tracker holds the run: an id and a link (a URL, or a local folder), or why it could not."""
+
+    model_config = ConfigDict(frozen=True)
+    tracker: str
+    ok: bool
+    run_id: str | None = None
+    url: str | None = None
+    error: str | None = None
+
+
+def _missing(package: str, tracker: str) -> ImportError:
+    return ImportError(f"{tracker} tracking needs `{package}`: pip install 'sftflow[track]' (or {package})")
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_reachable(uri: str) -> None:
+    """An HTTP tracking server answers its health check within a few seconds, or `ConnectionError` says so."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=REACH_TIMEOUT_S) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise ConnectionError(f"MLflow at {uri} is not reachable ({reason})") from None
+
+
+def to_mlflow(record: RunRecord, target: MLflowTarget) -> TrackedRun:
+    check_reachable(target.uri)
+    try:
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise _missing("mlflow", "MLflow") from None
+    import time
+
+    # The client's defaults retry a failing request for minutes; the run is over, a tracker must not hold it.
+    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
+        client = MlflowClient(tracking_uri=target.uri)
+        experiment = client.get_experiment_by_name(target.experiment)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(target.experiment)
+        run = client.create_run(experiment_id, run_name=record.name, tags=record.tags)
+        run_id = run.info.run_id
+        params = [Param(k, v[:6000]) for k, v in record.params.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(run_id, params=params[i : i + 100])
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(key, value, now, row["step"]) for row in record.steps for key, value in row.items() if key != "step"
+        ]
+        metrics += [Metric(k, v, now, record.final_step) for k, v in record.eval_scalars().items()]
+        for i in range(0, len(metrics), 1000):
+            client.log_batch(run_id, metrics=metrics[i : i + 1000])
+        client.log_dict(run_id, record.eval_rows(), "eval/metrics.json")
+        for image in record.images:
+            client.log_artifact(run_id, str(image), "plots")
+        if target.log_model and record.model_dir is not None:
+            client.log_artifacts(run_id, str(record.model_dir), "model")
+            client.log_batch(run_id, tags=[RunTag("sftflow.model", "model")])
+        client.set_terminated(run_id)
+    url = f"{target.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return TrackedRun(tracker="mlflow", ok=True, run_id=run_id, url=url)
+
+
+def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise _missing("tensorboard", "TensorBoard") from None
+    import matplotlib.image
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    writer = SummaryWriter(log_dir=str(log_dir))
+    try:
+        writer.add_text("config", table_markdown([{"key": k, "value": v} for k, v in record.params.items()]), 0)
+        for row in record.steps:
+            for key, value in row.items():
+                if key != "step":
+                    writer.add_scalar(f"train/{key}", value, row["step"])
+        for key, value in record.eval_scalars().items():
+            writer.add_scalar(key, value, record.final_step)
+        writer.add_text("eval", table_markdown(record.eval_rows()), record.final_step)
+        for image in record.images:
+            pixels = matplotlib.image.imread(str(image))[..., :3]  # RGBA floats in [0, 1] -> RGB
+            writer.add_image(image.stem, pixels, record.final_step, dataformats="HWC")
+    finally:
+        writer.close()
+    return TrackedRun(tracker="tensorboard", ok=True, run_id=log_dir.name, url=str(log_dir))
+
+
+def to_wandb(record: RunRecord, target: WandbTarget, folder: Path) -> TrackedRun:
+    try:
+        import wandb
+    except ImportError:
+        raise _missing("wandb", "Weights & Biases") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    with _env(WANDB_SILENT="true", WANDB_CONSOLE="off"):
+        run = wandb.init(
+            project=target.project,
+            entity=target.entity,
+            mode=target.mode,
+            dir=str(folder),
+            name=record.name,
+            config=record.params,
+            tags=[f"{k}={v}"[:64] for k, v in record.tags.items() if k == "prefect.flow_run_id"],
+            notes=record.tags.get("prefect.flow_run_url"),
+        )
+        try:
+            for row in record.steps:
+                run.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+            run.summary.update(record.eval_scalars())
+            rows = record.eval_rows()
+            if rows:
+                columns = list(rows[0])
+                run.log({"eval/table": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
+            for image in record.images:
+                run.log({f"plots/{image.stem}": wandb.Image(str(image))})
+            url = run.url if target.mode == "online" else str(Path(run.dir).parent)
+            run_id = run.id
+        finally:
+            run.finish()
+    return TrackedRun(tracker="wandb", ok=True, run_id=run_id, url=url)

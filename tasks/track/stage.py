@@ -1,0 +1,113 @@
+"""The `track` Prefect task: send a finished run (config, step metrics, eval, plots, model) to the configured trackers.
+
+Tracking never fails a run: a tracker that cannot be reached, or whose client is not installed, is a warning naming
+it, and the other trackers still get the run. A run is sent once per tracker: `WORK_DIR/track/<key>/track.json`
+(keyed by the trained model, the eval report and the tracking config) records what each tracker holds, so a cached
+rerun of the pipeline sends nothing twice, and one whose tracker was down retries that tracker only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.fingerprint import sha256_json
+from sftflow.tasks.core.logs import stage_logger
+from sftflow.tasks.core.manifests import EvalReport, TrainResult
+from sftflow.tasks.track.config import TrackConfig
+from sftflow.tasks.track.record import RunRecord, flatten, step_rows
+from sftflow.tasks.track.sinks import TrackedRun, to_mlflow, to_tensorboard, to_wandb
+from sftflow.tasks.train.metrics import read_metrics
+
+
+def prefect_tags() -> dict[str, str]:
+    """The current Prefect flow run, for the tracker to link back to."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return {}
+    from prefect.runtime import flow_run
+
+    tags = {"prefect.flow_run_id": str(context.flow_run.id), "prefect.flow_run_name": context.flow_run.name}
+    url = flow_run.ui_url  # None when no UI URL is configured
+    if url:
+        tags["prefect.flow_run_url"] = str(url)
+    return tags
+
+
+def run_record(config: dict, train: TrainResult, report: EvalReport, name: str, tags: dict[str, str]) -> RunRecord:
+    images = [Path(p) for p in (report.plot_path, str(Path(report.path).parent / "source_loss.png")) if p]
+    return RunRecord(
+        name=name,
+        params=flatten(config),
+        steps=step_rows(read_metrics(train.metrics_path)) if train.metrics_path else [],
+        eval=dict(report.metrics),
+        final_step=train.steps,
+        images=[p for p in images if p.is_file()],
+        model_dir=Path(train.hf_dir) if train.hf_dir else None,
+        tags=tags,
+    )
+
+
+def send(record: RunRecord, config: TrackConfig, work_dir: Path, done: dict[str, TrackedRun]) -> list[TrackedRun]:
+    """Every configured tracker not already in `done` gets the run; a failure is a warning and a `TrackedRun` with
+    `ok=False`."""
+    targets = []
+    if config.mlflow is not None:
+        targets.append(("mlflow", config.mlflow.uri, lambda: to_mlflow(record, config.mlflow)))
+    if config.tensorboard:
+        log_dir = work_dir / "tensorboard" / record.name
+        targets.append(("tensorboard", str(log_dir), lambda: to_tensorboard(record, log_dir)))
+    if config.wandb is not None:
+        where = f"project {config.wandb.project} ({config.wandb.mode})"
+        targets.append(("wandb", where, lambda: to_wandb(record, config.wandb, work_dir / "wandb")))
+    results = []
+    for tracker, where, send_one in targets:
+        if tracker in done and done[tracker].ok:
+            results.append(done[tracker])
+            continue
+        try:
+            results.append(send_one())
+        except Exception as err:  # noqa: BLE001 -- a tracker's failure must never fail the training run
+            message = f"{type(err).__name__}: {err}".splitlines()[0]
+            stage_logger("sftflow.track").warning("track: %s at %s did not get this run: %s", tracker, where, message)
+            results.append(TrackedRun(tracker=tracker, ok=False, error=message))
+    return results
+
+
+def track_run(
+    config: TrackConfig, run_config: dict, train: TrainResult, report: EvalReport, work_dir: str | Path
+) -> list[TrackedRun]:
+    work_dir = Path(work_dir)
+    key = sha256_json(
+        {"track": config.model_dump(mode="json"), "model": train.hf_sha256 or train.run_dir, "eval": report.sha256}
+    )[:24]
+    out = work_dir / "track" / key
+    state = out / "track.json"
+    done = {}
+    if state.is_file():
+        done = {r["tracker"]: TrackedRun(**r) for r in json.loads(state.read_text())}
+    name = f"sftflow-{Path(train.run_dir).name}-{key[:8]}"
+    tracked = send(run_record(run_config, train, report, name, prefect_tags()), config, work_dir, done)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(state, json.dumps([t.model_dump() for t in tracked], indent=2))
+    return tracked
+
+
+@task(name="track")
+def track_task(
+    config: TrackConfig, run_config: dict, train: TrainResult, report: EvalReport, work_dir: str
+) -> list[TrackedRun]:
+    from prefect.artifacts import create_markdown_artifact
+
+    tracked = track_run(config, run_config, train, report, work_dir)
+    lines = ["# Tracked", ""]
+    for t in tracked:
+        where = f"[{t.url}]({t.url})" if t.url and t.url.startswith("http") else f"`{t.url}`"
+        lines.append(f"- {t.tracker}: {where}" if t.ok else f"- {t.tracker}: not tracked ({t.error})")
+    create_markdown_artifact("\n".join(lines), key="sft-tracking", description="where this run is tracked")
+    return tracked
