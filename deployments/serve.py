@@ -5,7 +5,9 @@
     prefect deployment run sft/full --watch
 
 `SFTFLOW_CONFIG` picks the config file the deployments use by default (default: deployments/configs/demo.yaml);
-any run can pass another with `-p config_path=...`. `SFTFLOW_REFRESH_CRON` sets the data refresh schedule.
+any run can pass another with `-p config_path=...`. `SFTFLOW_REFRESH_CRON` sets the data refresh schedule;
+`SFTFLOW_REFRESH_THEN=promote` (or `train`) moves it onto `sft-refresh/chain`, which trains, evaluates and runs the
+promotion gate on the nights the data changed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sftflow.flows.data import sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
 from sftflow.flows.promote import sft_promote
+from sftflow.flows.refresh import sft_refresh
 from sftflow.flows.sft import sft
 from sftflow.flows.train import sft_train
 
@@ -26,15 +29,24 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "demo.yaml"
 
 
-def deployments(config_path: str, refresh_cron: str = "0 3 * * *"):
+def deployments(config_path: str, refresh_cron: str = "0 3 * * *", refresh_then: str | None = None):
+    """`refresh_then` ("train" or "promote") puts the refresh schedule on `sft-refresh/chain` instead of on
+    `sft-data/refresh`: one schedule, so the two never race for the work folder."""
     params = {"config_path": config_path}
+    chain_then = refresh_then or "promote"
     return [
         sft.to_deployment(name="full", parameters=params, description="The whole pipeline: data → plan → train → eval"),
         sft_data.to_deployment(
             name="refresh",
             parameters=params,
-            cron=refresh_cron,
+            cron=None if refresh_then else refresh_cron,
             description="Re-render and re-index when the sources changed; a cached no-op when they did not",
+        ),
+        sft_refresh.to_deployment(
+            name="chain",
+            parameters=params | {"then": chain_then},
+            cron=refresh_cron if refresh_then else None,
+            description="Refresh the data; when it changed, train, evaluate and run the promotion gate",
         ),
         sft_plan.to_deployment(name="rerun", parameters=params, description="Re-plan from the latest data result"),
         sft_train.to_deployment(name="rerun", parameters=params, description="Rerun (or resume) training alone"),
@@ -52,4 +64,5 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *"):
 
 if __name__ == "__main__":
     config = os.environ.get("SFTFLOW_CONFIG", str(DEFAULT_CONFIG))
-    serve(*deployments(config, os.environ.get("SFTFLOW_REFRESH_CRON", "0 3 * * *")))
+    cron = os.environ.get("SFTFLOW_REFRESH_CRON", "0 3 * * *")
+    serve(*deployments(config, cron, os.environ.get("SFTFLOW_REFRESH_THEN") or None))

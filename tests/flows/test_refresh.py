@@ -1,0 +1,58 @@
+"""`sft-refresh` on Prefect's real engine: the first refresh trains and promotes, an unchanged refresh stops after the
+Cached data stage, and new records train again and go through the gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sftflow.flows.config import SFTConfig
+from sftflow.flows.refresh import sft_refresh
+from sftflow.tasks.demo import write_demo
+from tests.flows.conftest import RecordedTaskRuns
+
+pytestmark = pytest.mark.slow
+
+
+def _config(work: Path, data: Path, tokenizer: Path) -> SFTConfig:
+    return SFTConfig.model_validate(
+        {
+            "work_dir": str(work),
+            "data": {
+                "sources": [str(data)],
+                "tokenizer": str(tokenizer),
+                "render": {"template": "chatml"},
+                "index": {"eval_fraction": 0.1},
+            },
+            "plan": {"tokens_per_rank": 512},
+            "train": {"model": "tiny-llama", "max_steps": 3, "num_threads": 1},
+            "eval": {"max_docs": 6, "max_generations": 1, "num_examples": 1},
+        }
+    )
+
+
+def test_refresh_trains_and_promotes_only_when_the_data_changed(tmp_path):
+    demo = write_demo(tmp_path / "demo", n=160)
+    lines = Path(demo["data"]).read_text().splitlines(keepends=True)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(lines[:120]))
+    cfg = _config(tmp_path / "work", source, demo["tokenizer"])
+
+    first = sft_refresh(config=cfg)
+    assert first.changed and first.trained_on is None
+    assert first.run.promotion.decision == "promoted" and first.run.promotion.champion == "v0001"
+
+    with RecordedTaskRuns() as runs:
+        unchanged = sft_refresh(config=cfg)
+    assert not unchanged.changed and unchanged.run is None
+    assert unchanged.trained_on == first.index_sha256
+    assert set(runs.states()) == {"render", "spans", "pbin", "index"}  # no plan, train, eval or gate
+    assert all(s == "Cached" for states in runs.states().values() for s in states)
+
+    source.write_text("".join(lines))  # 40 new records
+    changed = sft_refresh(config=cfg)
+    assert changed.changed and changed.trained_on == first.index_sha256
+    assert changed.index_sha256 != first.index_sha256
+    assert changed.run.promotion is not None and changed.run.promotion.candidate_sha256
+    assert (tmp_path / "work" / "refresh.json").read_text().strip().endswith(f'"{changed.index_sha256}"}}')
