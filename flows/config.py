@@ -29,11 +29,23 @@ class SourceSpec(BaseModel):
     the mix), `max_tokens` (a cap) or `epochs` (passes, fractions allowed); see `sftflow.tasks.plan.mixture`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    path: str = Field(description="JSONL / Parquet file or local `datasets` folder")
-    name: str | None = Field(None, description="name in stats and per-source metrics (default: the file name)")
+    path: str | None = Field(None, description="JSONL / Parquet file or local `datasets` folder")
+    hub: str | None = Field(None, description="or a Hugging Face Hub dataset id, read through `datasets`")
+    revision: str | None = Field(None, description="the hub dataset's commit (default: resolved once and recorded)")
+    subset: str | None = Field(None, description="the hub dataset's configuration (`name` in `load_dataset`)")
+    split: str = Field("train", description="the hub dataset's split")
+    name: str | None = Field(None, description="name in stats and per-source metrics (default: file name or hub id)")
     weight: float | None = Field(None, gt=0, description="share of the mix's trained tokens")
     max_tokens: int | None = Field(None, ge=1, description="at most this many trained tokens per epoch")
     epochs: float | None = Field(None, gt=0, description="passes over this source per epoch (0.5: half, 3: thrice)")
+
+    @model_validator(mode="after")
+    def _one_location(self):
+        if (self.path is None) == (self.hub is None):
+            raise ValueError("a source needs one of `path` (a local file or folder) and `hub` (a dataset id)")
+        if self.hub is None and (self.revision is not None or self.subset is not None):
+            raise ValueError("`revision` and `subset` are for `hub` sources")
+        return self
 
     @property
     def share(self) -> SourceShare:
@@ -81,9 +93,9 @@ class DataConfig(BaseModel):
         """Every source as a `SourceSpec` with its name: the given one, else the file name, else (two sources of
         the same file name) the path."""
         specs = [SourceSpec(path=s) if isinstance(s, str) else s for s in self.sources]
-        file_names = [Path(s.path).name for s in specs]
+        file_names = [Path(s.path).name if s.path is not None else s.hub for s in specs]
         named = [
-            s.model_copy(update={"name": s.name or (f if file_names.count(f) == 1 else s.path)})
+            s.model_copy(update={"name": s.name or (f if file_names.count(f) == 1 else s.path or s.hub)})
             for s, f in zip(specs, file_names, strict=True)
         ]
         names = [s.name for s in named]

@@ -11,9 +11,10 @@ from urllib.parse import urlsplit
 from prefect import flow, get_run_logger, unmapped
 from pydantic import BaseModel, ConfigDict
 
-from sftflow.flows.config import DataConfig, SFTConfig, data_config, resolve_config
+from sftflow.flows.config import DataConfig, SFTConfig, SourceSpec, data_config, resolve_config
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
+from sftflow.tasks.data.hub import materialize, resolve_revision
 from sftflow.tasks.data.stage import (
     SourceFile,
     TokenizerRef,
@@ -125,7 +126,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         named = [
             (spec.name, shard)
             for spec in dcfg.source_specs
-            for shard in source_files(spec.path, dcfg.shard_bytes, dcfg.shard_records)
+            for shard in source_files(local_path(spec, work, logger), dcfg.shard_bytes, dcfg.shard_records)
         ]
         sources: list[SourceFile] = [shard for _, shard in named]
         template_sha, template_file = training_template(dcfg.render, tokenizer, work)
@@ -178,6 +179,14 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))
         return result
+
+
+def local_path(spec: SourceSpec, work: Path, logger) -> str:
+    """The source's file or folder: its `path`, or the saved copy of its hub dataset at its revision."""
+    if spec.hub is None:
+        return spec.path
+    revision = resolve_revision(spec.hub, spec.revision, work, logger)
+    return str(materialize(spec.hub, revision, spec.subset, spec.split, work, logger))
 
 
 def load_data_result(work_dir: str | Path) -> DataResult:
