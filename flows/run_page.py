@@ -59,13 +59,11 @@ class _ProgressToParent(logging.Handler):
 @contextmanager
 def progress_in_parent_log(every_s: float = 30.0) -> Iterator[None]:
     """Inside a flow run: copy the training progress that runs below it log into its own log."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
+    flow_run_id = current_flow_run_id()
+    if flow_run_id is None:
         yield
         return
-    handler = _ProgressToParent(context.flow_run.id, every_s)
+    handler = _ProgressToParent(flow_run_id, every_s)
     task_logs = logging.getLogger("prefect.task_runs")
     task_logs.addHandler(handler)
     try:
@@ -87,6 +85,65 @@ def loss_curve_artifact(plot_path: str | None) -> UUID | None:
     )
 
 
+def current_flow_run_id():
+    """The id of the flow run this code runs in, or None outside one."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return None if context is None or context.flow_run is None else context.flow_run.id
+
+
+def record_cancelled_tasks() -> None:
+    """When this flow run is being cancelled, record its Crashed task runs as Cancelled.
+
+    Prefect's task engine reports a task that a termination signal interrupted as Crashed, whatever sent the signal;
+    the flow engine tells a cancel from a crash afterwards, but only for the flow run. A training run stopped by a
+    cancel was not a crash, and its page should say so."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    flow_run_id = current_flow_run_id()
+    if flow_run_id is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            if not _being_cancelled(client, flow_run_id):
+                return  # a crash, or the machine shutting down: Crashed is the truth
+            crashed = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                task_run_filter=TaskRunFilter(
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.CRASHED]))
+                ),
+            )
+            for run in crashed:
+                client.set_task_run_state(run.id, Cancelled(message="cancelled with its flow run"), force=True)
+    except Exception as err:  # noqa: BLE001 -- the cancel goes on; only the task's recorded state is at stake
+        logging.getLogger("sftflow.train").warning(
+            "sft-train: could not record the cancelled task runs as Cancelled: %s", err
+        )
+
+
+def _being_cancelled(client, flow_run_id) -> bool:
+    """Whether this flow run or one of its parents (a cancel lands on the run a user cancelled) is Cancelling."""
+    from prefect.client.schemas.objects import StateType
+
+    while flow_run_id is not None:
+        run = client.read_flow_run(flow_run_id)
+        if run.state_type in (StateType.CANCELLING, StateType.CANCELLED):
+            return True
+        parent_task = run.parent_task_run_id
+        flow_run_id = client.read_task_run(parent_task).flow_run_id if parent_task is not None else None
+    return False
+
+
 def stage_links_markdown() -> list[str]:
     """Markdown lines linking to each subflow run of the current flow run and to the artifacts each one made
     (its tasks' included); empty outside a flow run."""
@@ -98,16 +155,15 @@ def stage_links_markdown() -> list[str]:
         FlowRunFilterParentFlowRunId,
     )
     from prefect.client.schemas.sorting import FlowRunSort
-    from prefect.context import FlowRunContext
     from prefect.settings import PREFECT_UI_URL
 
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
+    flow_run_id = current_flow_run_id()
+    if flow_run_id is None:
         return []
     ui = (PREFECT_UI_URL.value() or "").rstrip("/")
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[context.flow_run.id])),
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])),
             sort=FlowRunSort.START_TIME_ASC,
         )
         artifacts = client.read_artifacts(

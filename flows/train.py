@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
+from sftflow.flows.run_page import record_cancelled_tasks
 from sftflow.tasks.core.fingerprint import sha256_tree
 from sftflow.tasks.core.manifests import ModelRef, PlanManifest, TrainResult
 from sftflow.tasks.train.stage import train_stage_task
@@ -32,7 +34,11 @@ def sft_train(
         data = data or load_data_result(work)
         plan = plan or load_plan_result(work)
         task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
-        result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work))
+        try:
+            result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work))
+        except TerminationSignal:
+            record_cancelled_tasks()
+            raise
         write_stage_result(work, "train", result)
         return result
 

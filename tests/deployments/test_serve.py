@@ -304,11 +304,13 @@ def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
     finally:
         _stop(watch)
     reader.join(timeout=10)
-    # The stage runs and the parent end Cancelled, none Crashed. (Prefect reports the task that was running, the
-    # train task, as Crashed on any cancel: its task engine treats the termination signal as a crash.)
+    # The stage runs, the parent and the train task end Cancelled, none Crashed. (Prefect's task engine records the
+    # interrupted task as Crashed; sft-train records it as Cancelled when a cancel interrupted it.)
     children = served.get("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}})
     train_run = next(c for c in children if _flow_name(served, c) == "sft-train")
     assert train_run["state"]["type"] == "CANCELLED", train_run["state"]
+    tasks = served.get("/task_runs/filter", {"flow_runs": {"id": {"any_": [train_run["id"]]}}})
+    assert [t["state"]["type"] for t in tasks if t["name"].startswith("train")] == ["CANCELLED"], tasks
     log = served.serve_log()[log_start:]
     # sft-train's engine, then sft's, saw the cancel for what it was
     assert len(re.findall(r"Flow run '[^']*' - Flow run was cancelled\.", log)) == 2, log[-4000:]
