@@ -69,7 +69,7 @@ def sft(
         promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
         tracking = []
         if cfg.track.enabled:
-            tracking = track_task(cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir)
+            tracking = track_task(cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir, promotion)
     result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion, tracking=tracking)
     from prefect.artifacts import create_markdown_artifact
 

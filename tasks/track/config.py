@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class MLflowTarget(BaseModel):
@@ -12,6 +12,17 @@ class MLflowTarget(BaseModel):
     uri: str = Field(description="tracking server URI (http://host:5000) or a local store (file:, sqlite:)")
     experiment: str = "sftflow"
     log_model: bool = Field(False, description="also upload the exported Hugging Face folder as the run's model")
+    registered_model: str | None = Field(
+        None,
+        description="MLflow model registry name: a model the promotion gate promotes becomes a new version of it, "
+        "with the alias `champion` (needs log_model)",
+    )
+
+    @model_validator(mode="after")
+    def _registry_needs_the_model(self):
+        if self.registered_model and not self.log_model:
+            raise ValueError("track.mlflow.registered_model needs log_model: true (the registry versions the upload)")
+        return self
 
 
 class WandbTarget(BaseModel):

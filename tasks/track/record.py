@@ -23,6 +23,7 @@ class RunRecord:
     images: list[Path] = field(default_factory=list)
     model_dir: Path | None = None
     tags: dict[str, str] = field(default_factory=dict)  # links back: the Prefect flow run
+    promoted_as: str | None = None  # the registry version the promotion gate made of this model, if it did
 
     def eval_scalars(self) -> dict[str, float]:
         """`eval/tuned/loss`, `eval/tuned/source/code/loss`, ... as flat scalars."""
@@ -87,6 +88,8 @@ def step_rows(records: list[dict]) -> list[dict[str, float]]:
         if "step" not in r:
             continue
         row = {"step": int(r["step"])}
+        for source, value in (r.get("trained_tokens_by_source") or {}).items():
+            row[f"trained_tokens/{safe_key(source)}"] = float(value)
         for key, value in r.items():
             if key in _STEP_KEYS_SKIPPED or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

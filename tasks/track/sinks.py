@@ -28,6 +28,7 @@ class TrackedRun(BaseModel):
     run_id: str | None = None
     url: str | None = None
     error: str | None = None
+    model_version: str | None = None  # MLflow: the registered model version made of a promoted model
 
 
 def _missing(package: str, tracker: str) -> ImportError:
@@ -93,8 +94,35 @@ def to_mlflow(record: RunRecord, target: MLflowTarget) -> TrackedRun:
             client.log_artifacts(run_id, str(record.model_dir), "model")
             client.log_batch(run_id, tags=[RunTag("sftflow.model", "model")])
         client.set_terminated(run_id)
+        version = None
+        if target.registered_model and record.promoted_as and record.model_dir is not None:
+            version = _register_champion(client, target.registered_model, run_id, record.promoted_as)
     url = f"{target.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return TrackedRun(tracker="mlflow", ok=True, run_id=run_id, url=url)
+    return TrackedRun(tracker="mlflow", ok=True, run_id=run_id, url=url, model_version=version)
+
+
+def register_in_mlflow(target: MLflowTarget, run_id: str, promoted_as: str) -> str:
+    """Register the model of an MLflow run sent earlier (see `_register_champion`)."""
+    check_reachable(target.uri)
+    from mlflow.tracking import MlflowClient
+
+    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
+        return _register_champion(MlflowClient(tracking_uri=target.uri), target.registered_model, run_id, promoted_as)
+
+
+def _register_champion(client, name: str, run_id: str, promoted_as: str) -> str:
+    """A new version of registered model `name` from the run's uploaded model, with the alias `champion`."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="sftflow models the promotion gate promoted")
+    except MlflowException as err:
+        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    version = client.create_model_version(name, source, run_id=run_id, tags={"sftflow.registry_version": promoted_as})
+    client.set_registered_model_alias(name, "champion", version.version)
+    return str(version.version)
 
 
 def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:

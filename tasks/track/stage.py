@@ -16,10 +16,10 @@ from prefect import task
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.fingerprint import sha256_json
 from sftflow.tasks.core.logs import stage_logger
-from sftflow.tasks.core.manifests import EvalReport, TrainResult
+from sftflow.tasks.core.manifests import EvalReport, PromoteResult, TrainResult
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.track.record import RunRecord, flatten, step_rows
-from sftflow.tasks.track.sinks import TrackedRun, to_mlflow, to_tensorboard, to_wandb
+from sftflow.tasks.track.sinks import TrackedRun, register_in_mlflow, to_mlflow, to_tensorboard, to_wandb
 from sftflow.tasks.train.metrics import read_metrics
 
 
@@ -39,7 +39,14 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
-def run_record(config: dict, train: TrainResult, report: EvalReport, name: str, tags: dict[str, str]) -> RunRecord:
+def run_record(
+    config: dict,
+    train: TrainResult,
+    report: EvalReport,
+    name: str,
+    tags: dict[str, str],
+    promotion: PromoteResult | None = None,
+) -> RunRecord:
     images = [Path(p) for p in (report.plot_path, str(Path(report.path).parent / "source_loss.png")) if p]
     return RunRecord(
         name=name,
@@ -50,6 +57,7 @@ def run_record(config: dict, train: TrainResult, report: EvalReport, name: str, 
         images=[p for p in images if p.is_file()],
         model_dir=Path(train.hf_dir) if train.hf_dir else None,
         tags=tags,
+        promoted_as=promotion.champion if promotion is not None and promotion.decision == "promoted" else None,
     )
 
 
@@ -68,7 +76,7 @@ def send(record: RunRecord, config: TrackConfig, work_dir: Path, done: dict[str,
     results = []
     for tracker, where, send_one in targets:
         if tracker in done and done[tracker].ok:
-            results.append(done[tracker])
+            results.append(_registered_later(done[tracker], record, config))
             continue
         try:
             results.append(send_one())
@@ -79,8 +87,28 @@ def send(record: RunRecord, config: TrackConfig, work_dir: Path, done: dict[str,
     return results
 
 
+def _registered_later(done: TrackedRun, record: RunRecord, config: TrackConfig) -> TrackedRun:
+    """An MLflow run sent before the gate promoted its model (a later gate run) gets its registry version now."""
+    target = config.mlflow
+    if done.tracker != "mlflow" or done.model_version or not (target and target.registered_model):
+        return done
+    if not record.promoted_as:
+        return done
+    try:
+        version = register_in_mlflow(target, done.run_id, record.promoted_as)
+    except Exception as err:  # noqa: BLE001 -- as for any tracker failure: a warning, and the next run retries
+        stage_logger("sftflow.track").warning("track: mlflow could not register the promoted model: %s", err)
+        return done
+    return done.model_copy(update={"model_version": version})
+
+
 def track_run(
-    config: TrackConfig, run_config: dict, train: TrainResult, report: EvalReport, work_dir: str | Path
+    config: TrackConfig,
+    run_config: dict,
+    train: TrainResult,
+    report: EvalReport,
+    work_dir: str | Path,
+    promotion: PromoteResult | None = None,
 ) -> list[TrackedRun]:
     work_dir = Path(work_dir)
     key = sha256_json(
@@ -92,7 +120,8 @@ def track_run(
     if state.is_file():
         done = {r["tracker"]: TrackedRun(**r) for r in json.loads(state.read_text())}
     name = f"sftflow-{Path(train.run_dir).name}-{key[:8]}"
-    tracked = send(run_record(run_config, train, report, name, prefect_tags()), config, work_dir, done)
+    record = run_record(run_config, train, report, name, prefect_tags(), promotion)
+    tracked = send(record, config, work_dir, done)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(state, json.dumps([t.model_dump() for t in tracked], indent=2))
     return tracked
@@ -100,14 +129,21 @@ def track_run(
 
 @task(name="track")
 def track_task(
-    config: TrackConfig, run_config: dict, train: TrainResult, report: EvalReport, work_dir: str
+    config: TrackConfig,
+    run_config: dict,
+    train: TrainResult,
+    report: EvalReport,
+    work_dir: str,
+    promotion: PromoteResult | None = None,
 ) -> list[TrackedRun]:
     from prefect.artifacts import create_markdown_artifact
 
-    tracked = track_run(config, run_config, train, report, work_dir)
+    tracked = track_run(config, run_config, train, report, work_dir, promotion)
     lines = ["# Tracked", ""]
     for t in tracked:
         where = f"[{t.url}]({t.url})" if t.url and t.url.startswith("http") else f"`{t.url}`"
         lines.append(f"- {t.tracker}: {where}" if t.ok else f"- {t.tracker}: not tracked ({t.error})")
+        if t.model_version:
+            lines.append(f"  - registered model version {t.model_version}, alias `champion`")
     create_markdown_artifact("\n".join(lines), key="sft-tracking", description="where this run is tracked")
     return tracked

@@ -66,7 +66,7 @@ def _config(work: Path, uri: str) -> SFTConfig:
             "train": {"model": "tiny-llama", "max_steps": 4, "num_threads": 1},
             "eval": {"max_docs": 6, "max_generations": 1, "num_examples": 1},
             "track": {
-                "mlflow": {"uri": uri, "experiment": "sftflow-test", "log_model": True},
+                "mlflow": {"uri": uri, "experiment": "sftflow-test", "log_model": True, "registered_model": "tiny"},
                 "tensorboard": True,
                 "wandb": {"project": "sftflow-test", "mode": "offline"},
             },
@@ -101,6 +101,7 @@ def test_mlflow_gets_params_step_metrics_eval_plots_and_the_model(tracked, mlflo
     assert "model/config.json" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert "plots/loss_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert by_tracker["mlflow"].url.startswith(mlflow_server)
+    assert by_tracker["mlflow"].model_version is None  # no gate ran: nothing registered
 
 
 def test_tensorboard_and_wandb_offline_hold_the_run(tracked):
@@ -172,14 +173,27 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
-def test_a_cached_rerun_sends_nothing_twice(tracked, mlflow_server):
+def test_a_cached_rerun_sends_nothing_twice_and_registers_what_the_gate_promotes(tracked, mlflow_server):
     from mlflow.tracking import MlflowClient
 
     work, result = tracked
-    again = sft(config=_config(work, mlflow_server))
-    assert [t.run_id for t in again.tracking] == [t.run_id for t in result.tracking]
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("sftflow-test")
+    # A Cached rerun, now with the gate: the run already in MLflow is not sent again, and the model the gate
+    # promotes (an empty registry takes it) becomes version 1 of "tiny", alias champion.
+    again = sft(config=_config(work, mlflow_server), promote=True)
+    assert [t.run_id for t in again.tracking] == [t.run_id for t in result.tracking]
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    assert again.promotion.decision == "promoted"
+    mlflow_run = next(t for t in again.tracking if t.tracker == "mlflow")
+    assert mlflow_run.model_version == "1"
+    champion = client.get_model_version_by_alias("tiny", "champion")
+    assert champion.version == "1" and champion.run_id == mlflow_run.run_id
+    assert champion.tags["sftflow.registry_version"] == again.promotion.champion
+
+    third = sft(config=_config(work, mlflow_server), promote=True)
+    assert third.promotion.decision == "unchanged"  # the same files: no new registry version either
+    assert len(client.search_model_versions("name='tiny'")) == 1
     assert len(client.search_runs([experiment.experiment_id])) == 1
 
 
