@@ -85,3 +85,19 @@ class RankBatches:
                 docs = [self.dataset[int(i)] for i in plan_row(self.plan, step, m, r)]
                 batches.append(collate(docs, self.fns))
         return batches
+
+
+def trained_tokens_by_source(plan, dataset) -> tuple[list[str], np.ndarray] | None:
+    """Per planned step, the trained targets of each data source, `(names, int64 (steps, sources))`; None for data
+    of one source (or without sources, as the mock data). Read from the plan and the index on the host, once."""
+    names = getattr(dataset, "source_names", None)
+    if not names or len(names) < 2:
+        return None
+    rows_per_step = plan.num_ranks * plan.micro_batches_per_step
+    row_of_doc = np.repeat(np.arange(len(plan.row_ptr) - 1), np.diff(plan.row_ptr))
+    step_of_doc = row_of_doc // rows_per_step
+    source = np.asarray(dataset.source_ids)[plan.doc_ids]
+    targets = dataset.trainable_target_counts()[plan.doc_ids]
+    cell = step_of_doc * len(names) + source
+    counts = np.bincount(cell, weights=targets, minlength=plan.num_steps * len(names))
+    return list(names), counts.astype(np.int64).reshape(plan.num_steps, len(names))

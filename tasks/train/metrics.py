@@ -109,6 +109,7 @@ class MetricsLogger:
         seconds: float,
         skipped: str | None = None,
         peak_memory_gib: float | None = None,
+        trained_tokens_by_source: dict[str, int] | None = None,
     ) -> dict:
         ema_step_time = self.step_time.update(seconds)
         tokens_per_s = tokens / seconds if seconds > 0 else math.nan
@@ -133,6 +134,8 @@ class MetricsLogger:
             "skipped": skipped,
             "peak_memory_gib": peak_memory_gib,
         }
+        if trained_tokens_by_source is not None:
+            record["trained_tokens_by_source"] = trained_tokens_by_source
         if self.is_main:
             with self.config.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -38,7 +38,14 @@ from sftflow.tasks.train.checkpoint import (
     restores_model,
 )
 from sftflow.tasks.train.compile import compile_layers, resolve_compile
-from sftflow.tasks.train.data import RankBatches, dataset_vocab_size, load_plan, open_dataset, plan_path
+from sftflow.tasks.train.data import (
+    RankBatches,
+    dataset_vocab_size,
+    load_plan,
+    open_dataset,
+    plan_path,
+    trained_tokens_by_source,
+)
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.lora import apply_lora, compute_adapters_in_autocast, export_adapter, freeze_in_dtype
@@ -313,6 +320,7 @@ class Run:
     optim_c: cfg.OptimConfig
     total_steps: int
     tokenizer_path: str | None
+    source_tokens: tuple[list[str], object] | None = None  # per-step trained targets by data source, if several
 
 
 def build_run(run_dir: Path) -> Run:
@@ -402,7 +410,7 @@ def build_run(run_dir: Path) -> Run:
         run_dir=Path(run_dir), config=config, env=env, plan=plan, lm=lm, model=model, optimizer=optimizer,
         scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
-        tokenizer_path=tokenizer_path,
+        tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset),
     )  # fmt: skip
 
 
@@ -426,6 +434,13 @@ def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None
         save_grads,
         host_work=partial(run.prefetch.collate, step + 1),
     )
+
+
+def step_source_tokens(run: Run, step: int) -> dict[str, int] | None:
+    if run.source_tokens is None:
+        return None
+    names, counts = run.source_tokens
+    return {name: int(n) for name, n in zip(names, counts[step], strict=True)}
 
 
 def train(run_dir: Path) -> None:
@@ -467,6 +482,7 @@ def train(run_dir: Path) -> None:
             seconds=time.perf_counter() - t0,
             skipped=skipped,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if run.env.device.type == "cuda" else None,
+            trained_tokens_by_source=step_source_tokens(run, step),
         )
         if run.checkpointer.due(progress.step):
             run.checkpointer.save(progress.step)

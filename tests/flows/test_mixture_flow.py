@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sftflow.flows.config import load_config
 from sftflow.flows.data import sft_data
 from sftflow.flows.plan import sft_plan
+from sftflow.flows.train import sft_train
 from sftflow.tasks.demo import write_demo
 from tests.flows.conftest import task_states
 
@@ -65,3 +67,18 @@ def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_pa
     replanned = state.result()
     assert replanned.sha256 != plan.sha256
     assert abs({s.name: s for s in replanned.stats.sources}["chat.jsonl"].planned_share - 0.6) < 0.03
+
+    # Training logs each step's trained tokens per source.
+    overrides = {"train.model": "tiny-llama", "train.max_steps": 3, "train.num_threads": 1}
+    trained = sft_train(config=load_config(config_path, overrides), data=state_data(tmp_path), plan=replanned)
+    rows = [json.loads(line) for line in Path(trained.metrics_path).read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert set(row["trained_tokens_by_source"]) == {"chat.jsonl", "code", "math.jsonl"}
+        assert sum(row["trained_tokens_by_source"].values()) == row["trained_tokens"]
+
+
+def state_data(folder: Path):
+    from sftflow.flows.data import load_data_result
+
+    return load_data_result(folder / "work")

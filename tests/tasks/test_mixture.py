@@ -158,3 +158,13 @@ def test_the_index_keeps_each_documents_source_for_the_planner(tmp_path):
     stats = json.loads((tmp_path / "plan" / "stats.json").read_text())
     assert [s["name"] for s in stats["sources"]] == ["a", "b", "c"]
     assert all(abs(s["planned_share"] - 1 / 3) < 0.05 for s in stats["sources"])
+
+    # What training logs per step: each source's trained targets, adding up to the step's and the plan's totals.
+    from sftflow.tasks.plan.planner import load_plan
+    from sftflow.tasks.train.data import trained_tokens_by_source
+
+    arrays = load_plan(tmp_path / "plan" / "plan.npz")
+    names, per_step = trained_tokens_by_source(arrays, IndexedDataset(tmp_path / "index"))
+    assert names == ["a", "b", "c"] and per_step.shape == (arrays.num_steps, 3)
+    assert per_step.sum(axis=1).tolist() == arrays.step_loss_tokens.tolist()
+    assert per_step.sum(axis=0).tolist() == [s["planned_tokens"] for s in stats["sources"]]
