@@ -91,12 +91,12 @@ class IndexData:
 
     @property
     def source_names(self) -> list[str]:
-        return list(self.meta["sources"])
+        return list(self.meta.get("sources", ["data"]))
 
     @property
     def source(self) -> np.ndarray:
         """int32 per row: the position of its source in `source_names`."""
-        of_shard = np.asarray([s["source"] for s in self.meta["shards"]], dtype=np.int32)
+        of_shard = np.asarray([s.get("source", 0) for s in self.meta["shards"]], dtype=np.int32)
         return of_shard[self.shard] if len(of_shard) else np.zeros(len(self.shard), dtype=np.int32)
 
     def ids(self, split: str) -> np.ndarray:

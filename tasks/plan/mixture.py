@@ -71,8 +71,9 @@ def resolve_mixture(shares: Sequence[SourceShare], sources: DocSources, targets:
         asked = share.weight is not None or share.max_tokens is not None or share.epochs is not None
         if asked and available[s] == 0:
             raise ValueError(
-                f"mixture: source {name!r} has no trained tokens in the train split, so it cannot be sampled; "
-                "drop its weight, max_tokens or epochs, or check its rejects files"
+                f"mixture: source {name!r} has no trained tokens in the train split, so it cannot be sampled (its "
+                "records were rejected, dropped as duplicates of an earlier source's, or all went to eval); drop its "
+                "weight, max_tokens or epochs, or check the data stage's rejects and dropped counts"
             )
         if share.weight is not None:
             weights[s] = share.weight
@@ -81,7 +82,9 @@ def resolve_mixture(shares: Sequence[SourceShare], sources: DocSources, targets:
         else:
             requested[s] = (1.0 if share.epochs is None else share.epochs) * available[s]
     weighted = weights > 0
-    if weighted.all():
+    # A source without a share and without trained tokens takes no part in the mix; it does not turn the weights
+    # into shares of a fixed part that is 0.
+    if weighted.any() and (weighted | (available == 0)).all():
         requested = available.sum() * weights / weights.sum()
     elif weighted.any():
         total_weight = weights.sum()

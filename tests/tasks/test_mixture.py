@@ -118,6 +118,20 @@ def test_without_a_mixture_sources_change_nothing_but_the_stats():
         assert row.planned_tokens == row.available_tokens == targets[sources.source_of_doc == s].sum()
 
 
+def test_a_source_without_data_or_share_does_not_change_the_weights():
+    lengths, targets, _ = _three_sources()
+    # "math" is in the index but has no train documents (all went to eval, say): two weighted sources share the mix.
+    empty = DocSources(names=[*NAMES, "empty"], source_of_doc=_three_sources()[2].source_of_doc)
+    shares = (SourceShare(name="chat", weight=0.5), SourceShare(name="code", weight=0.5))
+    with pytest.raises(ValueError, match="weights sum to 1"):
+        resolve_mixture(shares, _three_sources()[2], targets)  # "math" has data and no share: a fixed part
+    shares += (SourceShare(name="math", weight=1.0),)
+    mixture = resolve_mixture(shares, empty, targets)
+    assert mixture.requested[3] == 0 and mixture.requested[:3].sum() == pytest.approx(targets.sum())
+    with pytest.raises(ValueError, match="dropped as duplicates of an earlier source"):
+        resolve_mixture((SourceShare(name="empty", weight=1.0),), empty, targets)
+
+
 def test_mixture_mistakes_are_named():
     lengths, targets, sources = _three_sources()
     with pytest.raises(ValueError, match=r"no source named \['chta'\].*'chat', 'code', 'math'"):
@@ -144,13 +158,16 @@ def test_the_index_keeps_each_documents_source_for_the_planner(tmp_path):
         write_pbin(tmp_path / f"{name}.pbin", docs, vocab_size=100, provenance={})
         paths.append(tmp_path / f"{name}.pbin")
         names.append(name)
-    # two shards of source "a": a source's shards share one name
     build_index([paths[0], paths[1], paths[2]], tmp_path / "index", shard_sources=names, dedup=False)
     index = load_index(tmp_path / "index")
     assert index.source_names == ["a", "b", "c"]
     assert np.bincount(index.source).tolist() == [40, 25, 10]
     dataset = IndexedDataset(tmp_path / "index")
     assert [dataset.source_names[s] for s in dataset.source_ids[:1]] == ["a"]
+    # the shards of one source (a big file split in byte ranges) share its name
+    build_index(paths, tmp_path / "index-2", shard_sources=["a", "a", "c"], dedup=False)
+    two = load_index(tmp_path / "index-2")
+    assert two.source_names == ["a", "c"] and np.bincount(two.source).tolist() == [65, 10]
 
     shares = (SourceShare(name="a", weight=1), SourceShare(name="b", weight=1), SourceShare(name="c", weight=1))
     config = PlanConfig(num_ranks=1, tokens_per_rank=256, mixture=shares)
