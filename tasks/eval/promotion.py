@@ -122,14 +122,12 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer: Toke
     from sftflow.tasks.data.index import load_index
     from sftflow.tasks.data.reader import IndexedDataset
     from sftflow.tasks.eval.evaluate import evaluate_models
-    from sftflow.tasks.eval.stage import load_model
+    from sftflow.tasks.eval.stage import eval_documents, load_model
 
     dataset = IndexedDataset(load_index(index.dir, verify=True), split="eval")
     if len(dataset) == 0:
         raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
-    count = len(dataset) if eval_config.max_docs is None else min(len(dataset), eval_config.max_docs)
-    docs = [dataset[i] for i in range(count)]
-    sources = [dataset.source_names[s] for s in dataset.source_ids[:count]]
+    docs, sources = eval_documents(dataset, eval_config.max_docs)
     models = {"candidate": load_model(candidate, dataset.vocab_size)}
     if champion is not None:
         models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)

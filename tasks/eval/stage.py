@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.caching import StageCache, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import DatasetIndex, EvalConfig, EvalReport, ModelRef, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import load_index
@@ -36,6 +38,32 @@ def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
     return build_model(ref.spec, vocab_size=vocab_size, packed=False, overrides=ref.overrides)
 
 
+def eval_items(dataset: IndexedDataset, max_docs: int | None) -> np.ndarray:
+    """The eval split's items to evaluate: all, or `max_docs` of them. With one source, the first in index order.
+    With several, the index lists them source by source, so the first `max_docs` could leave later sources out: the
+    sample is taken by content hash instead (the split already treats it as uniform), in index order."""
+    n = len(dataset)
+    count = n if max_docs is None else min(n, max_docs)
+    if count == n or len(dataset.source_names) < 2:
+        return np.arange(count)
+    hashes = np.asarray(dataset.index.content_hash)[dataset.ids]
+    return np.sort(np.argsort(hashes, kind="stable")[:count])
+
+
+def eval_documents(dataset: IndexedDataset, max_docs: int | None) -> tuple[list, list[str]]:
+    """The documents `eval_items` picks and each one's source name; a warning names sources the sample lacks."""
+    items = eval_items(dataset, max_docs)
+    sources = [dataset.source_names[s] for s in dataset.source_ids[items]]
+    missing = [name for name in dataset.source_names if name not in set(sources)]
+    if len(dataset.source_names) > 1 and missing:
+        stage_logger("sftflow.eval").warning(
+            "eval: no eval documents of source(s) %s, so no per-source metrics for them; raise index.eval_fraction "
+            "(or eval.max_docs)",
+            missing,
+        )
+    return [dataset[int(i)] for i in items], sources
+
+
 def evaluate_run(
     tuned: ModelRef,
     base: ModelRef | None,
@@ -52,9 +80,7 @@ def evaluate_run(
     dataset = IndexedDataset(load_index(index_dir, verify=True), split="eval")  # arrays checked against index.json
     if len(dataset) == 0:
         raise ValueError(f"{index_dir}: the eval split is empty; set index.eval_fraction > 0")
-    count = len(dataset) if config.max_docs is None else min(len(dataset), config.max_docs)
-    docs = [dataset[i] for i in range(count)]
-    sources = [dataset.source_names[s] for s in dataset.source_ids[:count]]
+    docs, sources = eval_documents(dataset, config.max_docs)
     models = {}
     if base is not None:
         models["base"] = load_model(base, dataset.vocab_size)

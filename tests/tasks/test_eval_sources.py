@@ -79,3 +79,34 @@ def test_the_report_has_a_table_and_a_plot_per_source(tmp_path):
     assert png is not None and png.stat().st_size > 1000
     single = {"tuned": _metrics(1.0, chat=1.0)}
     assert source_rows(single) == [] and plot_source_losses(EvalResult(single, []), tmp_path / "x.png") is None
+
+
+def test_a_small_eval_sample_covers_every_source(tmp_path):
+    from sftflow.tasks.data.index import build_index
+    from sftflow.tasks.data.pbin import write_pbin
+    from sftflow.tasks.data.reader import IndexedDataset
+    from sftflow.tasks.data.records import TokenizedDoc
+    from sftflow.tasks.eval.stage import eval_items
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for name, n in (("big", 400), ("small", 40)):
+        docs = [
+            TokenizedDoc(input_ids=rng.integers(0, 97, size=12), loss_spans_S2=np.array([[2, 12]], np.int32),
+                         source=f"{name}.jsonl:{i + 1}")
+            for i in range(n)
+        ]  # fmt: skip
+        write_pbin(tmp_path / f"{name}.pbin", docs, vocab_size=97, provenance={})
+        paths.append(tmp_path / f"{name}.pbin")
+    build_index(paths, tmp_path / "index", eval_fraction=0.5, shard_sources=["big", "small"])
+    dataset = IndexedDataset(tmp_path / "index", split="eval")
+    first_in_order = {dataset.source_names[s] for s in dataset.source_ids[:32]}
+    assert first_in_order == {"big"}  # the index lists the big source first: its first 32 are all "big"
+    items = eval_items(dataset, 32)
+    assert len(items) == 32 and np.all(np.diff(items) > 0)
+    assert {dataset.source_names[s] for s in dataset.source_ids[items]} == {"big", "small"}
+    assert eval_items(dataset, None).tolist() == list(range(len(dataset)))
+
+    build_index(paths[:1], tmp_path / "one", eval_fraction=0.5)
+    one = IndexedDataset(tmp_path / "one", split="eval")
+    assert eval_items(one, 32).tolist() == list(range(32))  # one source: the first documents, as before
