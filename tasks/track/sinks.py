@@ -5,6 +5,7 @@ clients' own minutes of retries."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import urllib.error
 import urllib.request
@@ -29,6 +30,7 @@ class TrackedRun(BaseModel):
     url: str | None = None
     error: str | None = None
     model_version: str | None = None  # MLflow: the registered model version made of a promoted model
+    target: str | None = None  # where it went (URI and experiment, project, folder): another target is sent anew
 
 
 def _missing(package: str, tracker: str) -> ImportError:
@@ -96,7 +98,12 @@ def to_mlflow(record: RunRecord, target: MLflowTarget) -> TrackedRun:
         client.set_terminated(run_id)
         version = None
         if target.registered_model and record.promoted_as and record.model_dir is not None:
-            version = _register_champion(client, target.registered_model, run_id, record.promoted_as)
+            try:
+                version = _register_champion(client, target.registered_model, run_id, record.promoted_as)
+            except Exception as err:  # noqa: BLE001 -- the run is sent; the next run retries the registration
+                logging.getLogger("sftflow.track").warning(
+                    "track: mlflow holds the run but could not register its model: %s", err
+                )
     url = f"{target.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return TrackedRun(tracker="mlflow", ok=True, run_id=run_id, url=url, model_version=version)
 

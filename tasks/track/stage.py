@@ -1,9 +1,10 @@
 """The `track` Prefect task: send a finished run (config, step metrics, eval, plots, model) to the configured trackers.
 
 Tracking never fails a run: a tracker that cannot be reached, or whose client is not installed, is a warning naming
-it, and the other trackers still get the run. A run is sent once per tracker: `WORK_DIR/track/<key>/track.json`
-(keyed by the trained model, the eval report and the tracking config) records what each tracker holds, so a cached
-rerun of the pipeline sends nothing twice, and one whose tracker was down retries that tracker only.
+it, and the other trackers still get the run. A run is sent once per tracker and target:
+`WORK_DIR/track/<key>/track.json` (keyed by the trained model and the eval report) records what each tracker holds
+and where, so a cached rerun of the pipeline sends nothing twice, one whose tracker was down retries that tracker
+only, and turning on another tracker sends to that one alone.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run_record(
         images=[p for p in images if p.is_file()],
         model_dir=Path(train.hf_dir) if train.hf_dir else None,
         tags=tags,
-        promoted_as=promotion.champion if promotion is not None and promotion.decision == "promoted" else None,
+        # "unchanged": the candidate already is the champion, promoted by an earlier gate (perhaps untracked then).
+        promoted_as=promotion.champion if promotion is not None and promotion.decision != "kept" else None,
     )
 
 
@@ -66,24 +68,26 @@ def send(record: RunRecord, config: TrackConfig, work_dir: Path, done: dict[str,
     `ok=False`."""
     targets = []
     if config.mlflow is not None:
-        targets.append(("mlflow", config.mlflow.uri, lambda: to_mlflow(record, config.mlflow)))
+        where = f"{config.mlflow.uri} (experiment {config.mlflow.experiment})"
+        targets.append(("mlflow", where, lambda: to_mlflow(record, config.mlflow)))
     if config.tensorboard:
         log_dir = work_dir / "tensorboard" / record.name
         targets.append(("tensorboard", str(log_dir), lambda: to_tensorboard(record, log_dir)))
     if config.wandb is not None:
-        where = f"project {config.wandb.project} ({config.wandb.mode})"
+        where = f"project {config.wandb.entity or ''}/{config.wandb.project} ({config.wandb.mode})"
         targets.append(("wandb", where, lambda: to_wandb(record, config.wandb, work_dir / "wandb")))
     results = []
     for tracker, where, send_one in targets:
-        if tracker in done and done[tracker].ok:
-            results.append(_registered_later(done[tracker], record, config))
+        earlier = done.get(tracker)
+        if earlier is not None and earlier.ok and earlier.target == where:
+            results.append(_registered_later(earlier, record, config))
             continue
         try:
-            results.append(send_one())
+            results.append(send_one().model_copy(update={"target": where}))
         except Exception as err:  # noqa: BLE001 -- a tracker's failure must never fail the training run
             message = f"{type(err).__name__}: {err}".splitlines()[0]
             stage_logger("sftflow.track").warning("track: %s at %s did not get this run: %s", tracker, where, message)
-            results.append(TrackedRun(tracker=tracker, ok=False, error=message))
+            results.append(TrackedRun(tracker=tracker, ok=False, error=message, target=where))
     return results
 
 
@@ -111,9 +115,8 @@ def track_run(
     promotion: PromoteResult | None = None,
 ) -> list[TrackedRun]:
     work_dir = Path(work_dir)
-    key = sha256_json(
-        {"track": config.model_dump(mode="json"), "model": train.hf_sha256 or train.run_dir, "eval": report.sha256}
-    )[:24]
+    # Keyed by what is sent, not by where: turning another tracker on sends to that one alone.
+    key = sha256_json({"model": train.hf_sha256 or train.run_dir, "eval": report.sha256})[:24]
     out = work_dir / "track" / key
     state = out / "track.json"
     done = {}
@@ -122,8 +125,11 @@ def track_run(
     name = f"sftflow-{Path(train.run_dir).name}-{key[:8]}"
     record = run_record(run_config, train, report, name, prefect_tags(), promotion)
     tracked = send(record, config, work_dir, done)
+    # Trackers no longer configured keep their entries, so turning one off and on again sends nothing twice.
+    kept = {t.tracker for t in tracked}
+    state_rows = [t.model_dump() for t in tracked] + [d.model_dump() for name, d in done.items() if name not in kept]
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(state, json.dumps([t.model_dump() for t in tracked], indent=2))
+    write_atomic(state, json.dumps(state_rows, indent=2))
     return tracked
 
 

@@ -196,6 +196,27 @@ def test_a_cached_rerun_sends_nothing_twice_and_registers_what_the_gate_promotes
     assert len(client.search_model_versions("name='tiny'")) == 1
     assert len(client.search_runs([experiment.experiment_id])) == 1
 
+    # Turning trackers off and on again, or changing their set, sends to none that already hold the run.
+    from sftflow.tasks.track.config import TrackConfig
+    from sftflow.tasks.track.stage import track_run
+
+    full = _config(work, mlflow_server).track
+    only_tensorboard = TrackConfig(tensorboard=True)
+    (tensorboard_run,) = track_run(only_tensorboard, {}, again.train, again.eval, work)
+    assert tensorboard_run.run_id == next(t.run_id for t in result.tracking if t.tracker == "tensorboard")
+    back = track_run(full, {}, again.train, again.eval, work)
+    assert [t.run_id for t in back] == [t.run_id for t in again.tracking]
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    # Another experiment is another target: that tracker, and only it, gets the run.
+    moved = full.model_copy(update={"mlflow": full.mlflow.model_copy(update={"experiment": "sftflow-other"})})
+    sent = {t.tracker: t for t in track_run(moved, {}, again.train, again.eval, work)}
+    assert sent["mlflow"].run_id != mlflow_run.run_id and sent["wandb"].run_id == mlflow_run_of(again, "wandb")
+    assert len(client.search_runs([client.get_experiment_by_name("sftflow-other").experiment_id])) == 1
+
+
+def mlflow_run_of(result, tracker: str) -> str:
+    return next(t.run_id for t in result.tracking if t.tracker == tracker)
+
 
 def test_an_unreachable_tracker_is_a_warning_and_the_others_still_get_the_run(tracked, caplog):
     from sftflow.tasks.track.config import TrackConfig
@@ -210,4 +231,4 @@ def test_an_unreachable_tracker_is_a_warning_and_the_others_still_get_the_run(tr
     mlflow_run, tensorboard_run = tracked_runs
     assert not mlflow_run.ok and f"MLflow at {dead} is not reachable" in mlflow_run.error
     assert tensorboard_run.ok
-    assert any(f"mlflow at {dead} did not get this run" in r.getMessage() for r in caplog.records)
+    assert any(f"mlflow at {dead} (experiment sftflow) did not get this run" in r.getMessage() for r in caplog.records)
