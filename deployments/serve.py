@@ -65,4 +65,7 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *", refresh_then:
 if __name__ == "__main__":
     config = os.environ.get("SFTFLOW_CONFIG", str(DEFAULT_CONFIG))
     cron = os.environ.get("SFTFLOW_REFRESH_CRON", "0 3 * * *")
-    serve(*deployments(config, cron, os.environ.get("SFTFLOW_REFRESH_THEN") or None))
+    then = os.environ.get("SFTFLOW_REFRESH_THEN") or None
+    if then not in (None, "train", "promote"):
+        raise SystemExit(f"SFTFLOW_REFRESH_THEN={then!r}: expected 'train' or 'promote' (or unset)")
+    serve(*deployments(config, cron, then))

@@ -33,7 +33,7 @@ class SourceSpec(BaseModel):
     hub: str | None = Field(None, description="or a Hugging Face Hub dataset id, read through `datasets`")
     revision: str | None = Field(None, description="the hub dataset's commit (default: resolved once and recorded)")
     subset: str | None = Field(None, description="the hub dataset's configuration (`name` in `load_dataset`)")
-    split: str = Field("train", description="the hub dataset's split")
+    split: str | None = Field(None, description="the hub dataset's split (default: train)")
     name: str | None = Field(None, description="name in stats and per-source metrics (default: file name or hub id)")
     weight: float | None = Field(None, gt=0, description="share of the mix's trained tokens")
     max_tokens: int | None = Field(None, ge=1, description="at most this many trained tokens per epoch")
@@ -43,8 +43,8 @@ class SourceSpec(BaseModel):
     def _one_location(self):
         if (self.path is None) == (self.hub is None):
             raise ValueError("a source needs one of `path` (a local file or folder) and `hub` (a dataset id)")
-        if self.hub is None and (self.revision is not None or self.subset is not None):
-            raise ValueError("`revision` and `subset` are for `hub` sources")
+        if self.hub is None and (self.revision is not None or self.subset is not None or self.split is not None):
+            raise ValueError("`revision`, `subset` and `split` are for `hub` sources")
         return self
 
     @property

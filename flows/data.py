@@ -186,7 +186,7 @@ def local_path(spec: SourceSpec, work: Path, logger) -> str:
     if spec.hub is None:
         return spec.path
     revision = resolve_revision(spec.hub, spec.revision, work, logger)
-    return str(materialize(spec.hub, revision, spec.subset, spec.split, work, logger))
+    return str(materialize(spec.hub, revision, spec.subset, spec.split or "train", work, logger))
 
 
 def load_data_result(work_dir: str | Path) -> DataResult:

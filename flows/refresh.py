@@ -24,7 +24,7 @@ from sftflow.tasks.core.atomic import write_atomic
 class RefreshResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
     index_sha256: str
-    changed: bool
+    changed: bool  # the index differs from the one the last chained run trained on
     trained_on: str | None  # the index the last completed chained run trained on, before this refresh
     run: SFTResult | None = None  # the chained pipeline run, when the data changed
 
@@ -33,9 +33,10 @@ def _record(work: Path) -> Path:
     return work / "refresh.json"
 
 
-def last_trained_index(work: Path) -> str | None:
+def last_chained(work: Path) -> dict:
+    """`{"index_sha256", "then"}` of the last completed chained run, or {}."""
     path = _record(work)
-    return json.loads(path.read_text())["index_sha256"] if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 @flow(name="sft-refresh", log_prints=True)
@@ -50,8 +51,11 @@ def sft_refresh(
     work = Path(cfg.work_dir).resolve()
     logger = get_run_logger()
     data = sft_data(config=cfg)
-    before = last_trained_index(work)
-    if data.index.sha256 == before:
+    last = last_chained(work)
+    before = last.get("index_sha256")
+    # A chain that only trained has not been through the gate: a later `then="promote"` still runs it once.
+    gated = last.get("then", "promote") == "promote" or then == "train"
+    if data.index.sha256 == before and gated:
         logger.info("sft-refresh: the data did not change since the last chained run; nothing to train")
         return RefreshResult(index_sha256=data.index.sha256, changed=False, trained_on=before)
     logger.info(
@@ -61,5 +65,6 @@ def sft_refresh(
         "train, evaluate and run the promotion gate" if then == "promote" else "train and evaluate",
     )
     run = sft(config=cfg, promote=then == "promote")
-    write_atomic(_record(work), json.dumps({"index_sha256": run.data.index.sha256}) + "\n")
-    return RefreshResult(index_sha256=run.data.index.sha256, changed=True, trained_on=before, run=run)
+    write_atomic(_record(work), json.dumps({"index_sha256": run.data.index.sha256, "then": then}) + "\n")
+    changed = run.data.index.sha256 != before
+    return RefreshResult(index_sha256=run.data.index.sha256, changed=changed, trained_on=before, run=run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,13 @@ def hub_folder(work_dir: Path, hub: str, revision: str, subset: str | None, spli
 def resolve_revision(hub: str, revision: str | None, work_dir: Path, logger: logging.Logger) -> str:
     """`revision`, else the one recorded for `hub`, else the Hub's current commit (recorded for next time)."""
     if revision:
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):
+            logger.warning(
+                "hub dataset %s: revision %r is not a commit sha; a branch or tag can move upstream, and the copy "
+                "saved for it is reused until the config names another revision",
+                hub,
+                revision,
+            )
         return revision
     record = Path(work_dir) / "hub" / "revisions.json"
     known = json.loads(record.read_text()) if record.is_file() else {}

@@ -3,6 +3,7 @@ Cached data stage, and new records train again and go through the gate."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,4 +56,14 @@ def test_refresh_trains_and_promotes_only_when_the_data_changed(tmp_path):
     assert changed.changed and changed.trained_on == first.index_sha256
     assert changed.index_sha256 != first.index_sha256
     assert changed.run.promotion is not None and changed.run.promotion.candidate_sha256
-    assert (tmp_path / "work" / "refresh.json").read_text().strip().endswith(f'"{changed.index_sha256}"}}')
+    record = json.loads((tmp_path / "work" / "refresh.json").read_text())
+    assert record == {"index_sha256": changed.index_sha256, "then": "promote"}
+
+    # A chain that only trained leaves the gate to the next `then="promote"`, even on unchanged data.
+    only_train = sft_refresh(config=cfg, then="train")
+    assert not only_train.changed and only_train.run is None  # trained and gated already: nothing to do
+    source.write_text("".join(lines[:150]))
+    trained = sft_refresh(config=cfg, then="train")
+    assert trained.changed and trained.run.promotion is None
+    gated = sft_refresh(config=cfg)
+    assert not gated.changed and gated.run is not None and gated.run.promotion is not None
