@@ -35,9 +35,9 @@ class SourceSpec(BaseModel):
     subset: str | None = Field(None, description="the hub dataset's configuration (`name` in `load_dataset`)")
     split: str | None = Field(None, description="the hub dataset's split (default: train)")
     name: str | None = Field(None, description="name in stats and per-source metrics (default: file name or hub id)")
-    weight: float | None = Field(None, gt=0, description="share of the mix's trained tokens")
+    weight: float | None = Field(None, ge=0, description="share of the mix's trained tokens (0: leave it out)")
     max_tokens: int | None = Field(None, ge=1, description="at most this many trained tokens per epoch")
-    epochs: float | None = Field(None, gt=0, description="passes over this source per epoch (0.5: half, 3: thrice)")
+    epochs: float | None = Field(None, ge=0, description="passes over this source per epoch (0.5: half, 0: none)")
 
     @model_validator(mode="after")
     def _one_location(self):

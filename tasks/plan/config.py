@@ -11,13 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class SourceShare(BaseModel):
     """How much of one source (named as in the dataset index) a mixture takes per epoch, in trained tokens: a
     `weight` (a share of the mix), a `max_tokens` cap, or `epochs` (passes over the source; fractions draw part of a
-    pass). At most one of them; none means one pass."""
+    pass). At most one of them; none means one pass, and a weight or epochs of 0 leaves the source out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str
-    weight: float | None = Field(None, gt=0)
+    weight: float | None = Field(None, ge=0)  # 0 (or epochs 0) leaves the source out
     max_tokens: int | None = Field(None, ge=1)
-    epochs: float | None = Field(None, gt=0)
+    epochs: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_amount(self) -> SourceShare:

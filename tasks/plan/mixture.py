@@ -8,6 +8,7 @@ the source's trained tokens in the train split (one pass):
 - `weight` w: a share of the whole mix. When every source has a weight, the mix is as large as one pass over all of
   them, `T = ΣA`, and `R = T·w/Σw`. When other sources have fixed amounts (`F`, the sum of their `R`), the weights
   are shares of the whole and must sum below 1: `T = F/(1 − Σw)`, `R = T·w`.
+- a `weight` or `epochs` of 0 leaves a source out: `R = 0`, and it is no part of `T`.
 
 Each epoch draws, per source, `⌊R/A⌋` whole passes plus the prefix of a seeded permutation of its documents whose
 trained tokens come closest to the rest, so that an epoch's planned tokens of a source are within half a document
@@ -66,8 +67,12 @@ def resolve_mixture(shares: Sequence[SourceShare], sources: DocSources, targets:
     available = np.bincount(sources.source_of_doc, weights=targets, minlength=len(names)).astype(np.int64)
     requested = np.zeros(len(names))
     weights = np.zeros(len(names))
+    excluded = np.zeros(len(names), dtype=bool)
     for s, name in enumerate(names):
         share = by_name.get(name, SourceShare(name=name))
+        if share.weight == 0 or share.epochs == 0:
+            excluded[s] = True  # left out: requested stays 0
+            continue
         asked = share.weight is not None or share.max_tokens is not None or share.epochs is not None
         if asked and available[s] == 0:
             raise ValueError(
@@ -84,8 +89,8 @@ def resolve_mixture(shares: Sequence[SourceShare], sources: DocSources, targets:
     weighted = weights > 0
     # A source without a share and without trained tokens takes no part in the mix; it does not turn the weights
     # into shares of a fixed part that is 0.
-    if weighted.any() and (weighted | (available == 0)).all():
-        requested = available.sum() * weights / weights.sum()
+    if weighted.any() and (weighted | excluded | (available == 0)).all():
+        requested = available[~excluded].sum() * weights / weights.sum()
     elif weighted.any():
         total_weight = weights.sum()
         if total_weight >= 1:

@@ -132,6 +132,26 @@ def test_a_source_without_data_or_share_does_not_change_the_weights():
         resolve_mixture((SourceShare(name="empty", weight=1.0),), empty, targets)
 
 
+def test_a_zero_weight_leaves_a_source_out():
+    lengths, targets, sources = _three_sources()
+    available = np.bincount(sources.source_of_doc, weights=targets)
+    shares = (
+        SourceShare(name="chat", weight=1),
+        SourceShare(name="code", weight=1),
+        SourceShare(name="math", weight=0),
+    )
+    mixture = resolve_mixture(shares, sources, targets)
+    assert mixture.requested[2] == 0
+    assert mixture.requested[:2] == pytest.approx([available[:2].sum() / 2] * 2)
+    arrays, stats = plan(
+        lengths, targets, PlanConfig(num_ranks=1, tokens_per_rank=1024, mixture=shares), sources=sources
+    )
+    assert not np.isin(np.flatnonzero(sources.source_of_doc == 2), arrays.doc_ids).any()
+    assert stats.sources[2].planned_tokens == 0
+    out = resolve_mixture((SourceShare(name="code", epochs=0),), sources, targets)
+    assert out.requested[1] == 0 and out.requested[0] == available[0]
+
+
 def test_mixture_mistakes_are_named():
     lengths, targets, sources = _three_sources()
     with pytest.raises(ValueError, match=r"no source named \['chta'\].*'chat', 'code', 'math'"):
