@@ -65,7 +65,7 @@ def _byte_level_chars() -> tuple[str, ...]:
 
 @cache
 def _unassigned_code_points() -> np.ndarray:
-    """Code points that this Python's Unicode tables leave unassigned, as a bool table over all code points.
+    r"""Code points that this Python's Unicode tables leave unassigned, as a bool table over all code points.
 
     Each engine involved carries its own Unicode version (Oniguruma in HF's regexes, Rust's `char` tables in its
     Digits pre-tokenizer, fancy-regex in tiktoken), and they disagree on recently assigned characters: Unicode 17's
