@@ -101,7 +101,8 @@ def _write_record(folder: Path, record: ServerRecord) -> None:
     write_atomic(folder / "server.json", json.dumps(record.__dict__, indent=2) + "\n")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -128,7 +129,7 @@ def _running(folder: Path, prefect_version: str) -> ServerRecord | None:
 
 
 def _start(folder: Path, prefect_version: str, timeout_s: float, notice) -> ServerRecord:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     log_path = folder / "server.log"
     idle_s = _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT_S)

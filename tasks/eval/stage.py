@@ -54,7 +54,8 @@ def eval_documents(dataset: IndexedDataset, max_docs: int | None) -> tuple[list,
     """The documents `eval_items` picks and each one's source name; a warning names sources the sample lacks."""
     items = eval_items(dataset, max_docs)
     sources = [dataset.source_names[s] for s in dataset.source_ids[items]]
-    missing = [name for name in dataset.source_names if name not in set(sources)]
+    present = set(sources)
+    missing = [name for name in dataset.source_names if name not in present]
     if len(dataset.source_names) > 1 and missing:
         stage_logger("sftflow.eval").warning(
             "eval: no eval documents of source(s) %s, so no per-source metrics for them; raise index.eval_fraction "

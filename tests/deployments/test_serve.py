@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sftflow.flows.local_api import free_port
 from tests.conftest import crash_env
 from tests.deployments.browser import chromium_path, show_run_artifacts
 
@@ -43,12 +43,6 @@ DEPLOYMENTS = (
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 CRASH_LR = 7e-4  # the run with this learning rate crashes after step 1, once (tests/crash_shim); the others do not
 STEP_LINE = re.compile(r"\|[#-]*\| step (\d+)/(\d+) ")  # `Metrics.progress_line`
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -106,7 +100,7 @@ class Served:
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(

@@ -5,16 +5,15 @@ is a warning, never a failed run, and a cached rerun sends nothing twice."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from sftflow.flows.config import SFTConfig
+from sftflow.flows.local_api import free_port, healthy
 from sftflow.flows.sft import sft
 
 pytestmark = pytest.mark.slow
@@ -23,16 +22,10 @@ pytest.importorskip("tensorboard", reason="needs the track extra (tensorboard)")
 pytest.importorskip("wandb", reason="needs the track extra (wandb)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     log = (root / "server.log").open("w")
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     command += ["--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination", str(root / "a")]
@@ -40,13 +33,7 @@ def mlflow_server(tmp_path_factory):
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                    if r.read().strip() == b"OK":
-                        break
-            except OSError:
-                pass
+        while not healthy(uri):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
@@ -223,7 +210,7 @@ def test_an_unreachable_tracker_is_a_warning_and_the_others_still_get_the_run(tr
     from sftflow.tasks.track.stage import track_run
 
     work, result = tracked
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     config = TrackConfig.model_validate({"mlflow": {"uri": dead}, "tensorboard": True})
     start = time.monotonic()
     tracked_runs = track_run(config, {"train": {"lr": 1}}, result.train, result.eval, work / "elsewhere")

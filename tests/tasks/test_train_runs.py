@@ -8,7 +8,6 @@ ranks). Everything else (multi-node, resharding, selective loading) starts from 
 from __future__ import annotations
 
 import math
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from sftflow.flows.local_api import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -147,15 +148,9 @@ def test_activation_checkpointing_trains_bit_identically_on_fsdp(setup, run2):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_match_one_node_with_two_processes(setup, run2):
     root, base, _, _ = setup
-    out, port, errors = root / "two-nodes", _free_port(), []
+    out, port, errors = root / "two-nodes", free_port(), []
 
     def node(rank: int) -> None:
         try:
