@@ -62,21 +62,29 @@ def last_backend() -> dispatch.BackendChoice | None:
     return dispatch.last_choice(KERNEL)
 
 
-def _ce_step_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor) -> None:
-    """Writes each row's CE into `loss_C` (fp32 math); overwrites `logits_CV` with softmax - onehot."""
+def _ce_step_reference(
+    logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor, correct_C: torch.Tensor | None = None
+) -> None:
+    """Writes each row's CE into `loss_C` (fp32 math) and, with `correct_C`, 1 where the target's logit is the row's
+    largest (0 elsewhere); overwrites `logits_CV` with softmax - onehot."""
     # fp32 math (fp64 for fp64 inputs); the same tensor when no cast is needed: fine, it is overwritten anyway
     x = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
     lse = torch.logsumexp(x, dim=1)
-    torch.sub(lse, x.gather(1, target_C[:, None]).squeeze(1), out=loss_C)
+    x_target = x.gather(1, target_C[:, None]).squeeze(1)
+    if correct_C is not None:
+        correct_C.copy_(x_target >= x.amax(dim=1))
+    torch.sub(lse, x_target, out=loss_C)
     x = torch.exp(x - lse[:, None])
     x[torch.arange(x.shape[0], device=x.device), target_C] -= 1.0
     logits_CV.copy_(x)
 
 
-def _ce_step_triton(logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor) -> None:
+def _ce_step_triton(
+    logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor, correct_C: torch.Tensor | None = None
+) -> None:
     from sftflow.kernels.cross_entropy_triton import ce_loss_and_grad_
 
-    ce_loss_and_grad_(logits_CV, target_C, loss_C)
+    ce_loss_and_grad_(logits_CV, target_C, loss_C, correct_C)
 
 
 def _scale_reference(x: torch.Tensor, s: torch.Tensor) -> None:
@@ -132,7 +140,8 @@ def _loss_and_grads(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    row_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     V = weight_VD.shape[0]
     loss_dtype = torch.promote_types(hidden_TD.dtype, torch.float32)
     grad_hidden = torch.zeros_like(hidden_TD, memory_format=torch.contiguous_format) if need_grad_hidden else None
@@ -144,6 +153,7 @@ def _loss_and_grads(
             torch.zeros((), dtype=loss_dtype, device=hidden_TD.device),
             grad_hidden,
             torch.zeros_like(weight_VD) if need_grad_weight else None,
+            torch.zeros((2, 0), dtype=loss_dtype, device=hidden_TD.device) if row_stats else None,
         )
     # The first chunk's matmul writes grad_weight (no zero fill, no read of zeros): 1 GB less traffic at V=128k.
     grad_weight = torch.empty_like(weight_VD) if need_grad_weight else None
@@ -161,12 +171,14 @@ def _loss_and_grads(
         targets = torch.cat([targets, targets[:1].expand(padded - n)])
     # Each chunk writes its rows' losses here, summed once at the end: no per-chunk reduction kernels.
     loss_rows = torch.empty(padded, dtype=loss_dtype, device=hidden_TD.device)
+    correct_rows = torch.empty(padded, dtype=loss_dtype, device=hidden_TD.device) if row_stats else None
     for start in range(0, padded, chunk_rows):
         rows_C = rows[start : start + chunk_rows]
         real = min(chunk_rows, n - start)  # the chunk's trained rows; the rest (last chunk only) are padding
         h_CD = hidden_TD[start : start + chunk_rows] if all_trained else hidden_TD.index_select(0, rows_C)
         logits_CV = h_CD @ weight_VD.T
-        ce_step(logits_CV, targets[start : start + chunk_rows], loss_rows[start : start + chunk_rows])
+        chunk = slice(start, start + chunk_rows)
+        ce_step(logits_CV, targets[chunk], loss_rows[chunk], None if correct_rows is None else correct_rows[chunk])
         if real < logits_CV.shape[0]:
             logits_CV[real:].zero_()  # padding rows add nothing to grad_weight
         if grad_hidden is not None:
@@ -180,27 +192,31 @@ def _loss_and_grads(
             else:
                 grad_weight.addmm_(logits_CV.T, h_CD)
         del logits_CV, h_CD  # free this chunk's logits before the next chunk's matmul allocates its own
-    return loss_rows[:n].sum(), grad_hidden, grad_weight
+    stats = torch.stack([loss_rows[:n], correct_rows[:n]]) if row_stats else None
+    return loss_rows[:n].sum(), grad_hidden, grad_weight, stats
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, backend, need_h, need_w, rows):
-        loss, grad_hidden, grad_weight = _loss_and_grads(
-            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, CE_STEPS[backend], need_h, need_w, rows
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, backend, need_h, need_w, rows, stats):
+        loss, grad_hidden, grad_weight, row_stats = _loss_and_grads(
+            hidden_TD, weight_VD, labels_T, ignore_index, chunk_rows, CE_STEPS[backend], need_h, need_w, rows, stats
         )
         ctx.grads = (grad_hidden, grad_weight)
         ctx.scale = SCALES[backend]
-        return loss
+        if row_stats is None:
+            return loss
+        ctx.mark_non_differentiable(row_stats)
+        return loss, row_stats
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_stats=None):
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = (None, None)  # scaled in place below; a second backward through this graph is not supported
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 ctx.scale(grad, grad_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -212,7 +228,8 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     backend: str | None = None,
     rows: torch.Tensor | None = None,
-) -> torch.Tensor:
+    row_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sum over trained tokens of cross_entropy(hidden @ weight^T, labels); an fp32 scalar, differentiable.
 
     `hidden_TD` is (..., D) and `labels_T` the matching (...) int tensor with `ignore_index` for untrained tokens.
@@ -223,6 +240,11 @@ def linear_cross_entropy(
     (`nonzero`) and checking their labels are in [0, V) are both host syncs, which stop the host from queueing work
     ahead of the GPU for the rest of the step; a training loop that collates on the host knows both already
     (`sftflow.tasks.train.model.model_batch`). Given `rows`, the labels at them must be valid.
+
+    `row_stats=True` also returns a (2, n) tensor (not differentiable) over the n trained tokens in flat order: each
+    token's loss, and 1 where its target's logit is the largest (token accuracy; a tie counts as correct). Both come
+    out of the softmax pass that computes the loss anyway, so a caller can break the loss down (by data source, say)
+    without a second pass over the logits.
     """
     if hidden_TD.shape[:-1] != labels_T.shape:
         raise ValueError(f"labels shape {tuple(labels_T.shape)} does not match hidden {tuple(hidden_TD.shape)}")
@@ -246,5 +268,6 @@ def linear_cross_entropy(
         grad_on and hidden_TD.requires_grad,
         grad_on and weight_VD.requires_grad,
         rows,
+        row_stats,
     )
     return loss

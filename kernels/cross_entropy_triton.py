@@ -18,7 +18,9 @@ SCALE_BLOCK = 4096
 
 
 @triton.jit
-def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BLOCK_V: tl.constexpr):
+def _ce_loss_and_grad_kernel(
+    logits_ptr, stride_row, target_ptr, loss_ptr, correct_ptr, V, BLOCK_V: tl.constexpr, HAS_CORRECT: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     target = tl.load(target_ptr + row)
@@ -36,6 +38,8 @@ def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BL
     lse = m + tl.log(s)
     x_target = tl.load(base + target).to(tl.float32)
     tl.store(loss_ptr + row, (lse - x_target).to(loss_ptr.dtype.element_ty))
+    if HAS_CORRECT:  # the row's max is at hand: token accuracy costs one store, not another pass over the logits
+        tl.store(correct_ptr + row, (x_target >= m).to(correct_ptr.dtype.element_ty))
 
     # Pass 2: overwrite the logits with softmax - onehot(target).
     for v0 in range(0, V, BLOCK_V):
@@ -47,20 +51,33 @@ def _ce_loss_and_grad_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, V, BL
 
 
 def ce_loss_and_grad_(
-    logits_CV: torch.Tensor, target_C: torch.Tensor, loss_C: torch.Tensor | None = None
+    logits_CV: torch.Tensor,
+    target_C: torch.Tensor,
+    loss_C: torch.Tensor | None = None,
+    correct_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row CE loss (fp32, shape (C,), written into `loss_C` when given); `logits_CV` is overwritten with
-    softmax - onehot(target)."""
+    softmax - onehot(target). With `correct_C` ((C,), contiguous), also 1 where the target's logit is the row's
+    largest, else 0."""
     C, V = logits_CV.shape
     assert logits_CV.stride(1) == 1, "logits rows must be contiguous"
     if loss_C is None:
         loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
     assert loss_C.shape == (C,) and loss_C.is_contiguous(), "loss_C must be a contiguous (C,) tensor"
+    assert correct_C is None or (correct_C.shape == (C,) and correct_C.is_contiguous()), "correct_C must be (C,)"
     if C == 0:
         return loss_C
     block_v = min(triton.next_power_of_2(V), BLOCK_V_MAX)
     _ce_loss_and_grad_kernel[(C,)](
-        logits_CV, logits_CV.stride(0), target_C.contiguous(), loss_C, V, BLOCK_V=block_v, num_warps=NUM_WARPS
+        logits_CV,
+        logits_CV.stride(0),
+        target_C.contiguous(),
+        loss_C,
+        loss_C if correct_C is None else correct_C,  # not read or written without HAS_CORRECT
+        V,
+        BLOCK_V=block_v,
+        HAS_CORRECT=correct_C is not None,
+        num_warps=NUM_WARPS,
     )
     return loss_C
 

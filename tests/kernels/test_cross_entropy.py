@@ -82,6 +82,39 @@ def test_rows_given_by_the_caller_give_the_same_loss_and_grads(backend, mask_fra
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_fraction", [0.0, 0.5, 1.0])
+def test_row_stats_are_each_tokens_loss_and_hit_and_change_nothing_else(backend, mask_fraction, device):
+    """`row_stats`: per trained token (flat order) the float64 oracle's loss and whether argmax == target; the loss
+    and gradients are those of the call without it. Chunks of 16 over 66 rows: several chunks and a padded last."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 33, 16, generator=g).to(device).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(device).requires_grad_()
+    labels = make_labels(66, 50, mask_fraction, g, device).reshape(2, 33)
+    # a few targets set to the argmax, so both outcomes of the hit are exercised
+    logits = (hidden.detach().double() @ weight.detach().double().T).reshape(66, 50)
+    flat = labels.reshape(-1).clone()
+    trained = (flat != -100).nonzero().squeeze(1)
+    flat[trained[::3]] = logits.argmax(1)[trained[::3]]
+    labels = flat.reshape(2, 33)
+
+    loss, stats = linear_cross_entropy(hidden, weight, labels, backend=backend, chunk_rows=16, row_stats=True)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    plain = linear_cross_entropy(hidden, weight, labels, backend=backend, chunk_rows=16)
+    for a, b in zip((loss, *grads), (plain, *torch.autograd.grad(plain, (hidden, weight))), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    assert stats.shape == (2, trained.numel()) and not stats.requires_grad
+    target = flat[trained]
+    ref_loss = F.cross_entropy(logits[trained], target, reduction="none")
+    torch.testing.assert_close(stats[0].double().cpu(), ref_loss.cpu(), rtol=1e-5, atol=1e-5)
+    hits = (logits[trained].argmax(1) == target).double()
+    assert torch.equal(stats[1].double().cpu(), hits.cpu())
+    if trained.numel():
+        assert 0 < hits.sum() < trained.numel()
+        torch.testing.assert_close(stats[0].sum(), loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_weights_and_grad_scaling(backend, device):
     """The LM head is the embedding table: its gradient sums both uses; an upstream scale reaches both grads."""
     g = torch.Generator().manual_seed(7)
