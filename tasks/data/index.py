@@ -9,14 +9,16 @@ shard order then document order:
     loss_tokens.npy    int32   trained tokens
     targets.npy        int32   trained tokens that are prediction targets: all but a trained first token, which
                                nothing predicts (what the collator counts, so the planner reads the index alone)
+    tag.npy            int32   position of the document's tag in `index.json["tags"]`, -1 for an untagged one
     content_hash.npy   uint64  blake2b-64 of (length, span count, token ids as uint32 LE, spans as int32 LE)
     split.npy          uint8   0 = train, 1 = eval
     train_ids.npy      int64   positions (rows above) in the train split, ascending
     eval_ids.npy       int64   positions in the eval split, ascending
 
 and `index.json` (written last, so its presence means the index is complete) with the config, counts, the dropped
-counts per reason, the source names, each shard's path (absolute and relative to `out_dir`), sha256 and source (a
-position in `sources`, so a document's source is `sources[shards[shard]["source"]]`), and each array's sha256.
+counts per reason, the source names, the tag names (in order of first appearance), each shard's path (absolute and
+relative to `out_dir`), sha256 and source (a position in `sources`, so a document's source is
+`sources[shards[shard]["source"]]`), and each array's sha256.
 
 Filters, in order: `too_long` (length > max_length), `no_loss_tokens` (nothing to train), `duplicate` (same content
 hash as an earlier kept document; "earlier" is shard order, then document order).
@@ -44,8 +46,19 @@ from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.data.pbin import PbinFile
 
-INDEX_FORMAT_VERSION = 2
-ARRAY_NAMES = ("shard", "doc", "length", "loss_tokens", "targets", "content_hash", "split", "train_ids", "eval_ids")
+INDEX_FORMAT_VERSION = 3
+ARRAY_NAMES = (
+    "shard",
+    "doc",
+    "length",
+    "loss_tokens",
+    "targets",
+    "tag",
+    "content_hash",
+    "split",
+    "train_ids",
+    "eval_ids",
+)
 DROP_REASONS = ("too_long", "no_loss_tokens", "duplicate")
 TRAIN, EVAL = 0, 1
 _HASH_CHUNK_TOKENS = 1 << 24  # tokens converted to uint32 at a time while hashing
@@ -81,6 +94,7 @@ class IndexData:
     length: np.ndarray
     loss_tokens: np.ndarray
     targets: np.ndarray
+    tag: np.ndarray
     content_hash: np.ndarray
     split: np.ndarray
     train_ids: np.ndarray
@@ -98,6 +112,11 @@ class IndexData:
         """int32 per row: the position of its source in `source_names`."""
         of_shard = np.asarray([s.get("source", 0) for s in self.meta["shards"]], dtype=np.int32)
         return of_shard[self.shard] if len(of_shard) else np.zeros(len(self.shard), dtype=np.int32)
+
+    @property
+    def tag_names(self) -> list[str]:
+        """The records' tags (`render.tag_field`); `tag` holds each row's position in it, -1 for none."""
+        return list(self.meta.get("tags", []))
 
     def ids(self, split: str) -> np.ndarray:
         """Row positions of `split`: "train", "eval" or "all"."""
@@ -224,13 +243,15 @@ class _Scan:
     vocab_size: int | None
     num_docs_in: int
     sources: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
 
 
 def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256s) -> _Scan:
     """Read each shard's lengths and trained-token counts, drop documents over `max_length` or without trained
     tokens, and hash the rest."""
-    names = ("shard", "doc", "length", "loss_tokens", "targets", "content_hash")
+    names = ("shard", "doc", "length", "loss_tokens", "targets", "tag", "content_hash")
     columns: dict[str, list[np.ndarray]] = {k: [] for k in names}
+    tags: dict[str, int] = {}  # across shards, in order of first appearance
     dropped = dict.fromkeys(DROP_REASONS, 0)
     shards_meta, vocab_size, num_docs_in = [], None, 0
     for s, path in enumerate(pbin_paths):
@@ -254,6 +275,9 @@ def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256
             columns["length"].append(lengths[docs].astype(np.int32))
             columns["loss_tokens"].append(loss[docs].astype(np.int32))
             columns["targets"].append((loss[docs] - _first_token_trained(f, docs)).astype(np.int32))
+            # the shard's tag numbers, renumbered into the index's list (-1, untagged, stays -1)
+            to_index = np.array([tags.setdefault(t, len(tags)) for t in f.tag_names] + [-1], dtype=np.int32)
+            columns["tag"].append(to_index[f.tag_ids[docs]])
             columns["content_hash"].append(_content_hashes(f, docs))
             num_docs_in += len(f)
             shards_meta.append(
@@ -269,7 +293,7 @@ def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256
                 }
             )
     arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=_EMPTY_DTYPES[k]) for k, v in columns.items()}
-    return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in)
+    return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in, tags=list(tags))
 
 
 def _first_token_trained(f: PbinFile, docs: np.ndarray) -> np.ndarray:
@@ -324,6 +348,7 @@ def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, conf
         "counts": counts,
         "dropped": scan.dropped,
         "sources": scan.sources,
+        "tags": scan.tags,
         "shards": scan.shards_meta,
         "arrays": array_meta,
     }
@@ -346,6 +371,7 @@ _EMPTY_DTYPES = {
     "length": np.int32,
     "loss_tokens": np.int32,
     "targets": np.int32,
+    "tag": np.int32,
     "content_hash": np.uint64,
 }
 

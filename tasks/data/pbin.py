@@ -28,6 +28,8 @@ Sections (N documents, T tokens, S loss spans in total):
     source_names     uint8   (B,)          UTF-8 JSON list of distinct source names (usually one file path)
     source_name_ids  int32   (N,)          index into source_names
     source_lines     int64   (N,)          line or row; -1 when the source string has no ":<int>" suffix
+    tag_names        uint8   (G,)          only when a document has a tag: UTF-8 JSON list of distinct tags
+    tag_ids          int32   (N,)          only with tag_names: index into tag_names, -1 for an untagged document
 
 A document's source string is `f"{name}:{line}"` (or `name` when line is -1), exactly as the writer was given.
 A file written without spans trains every token: readers report one span `[0, L)` per non-empty document.
@@ -162,6 +164,16 @@ def _source_sections(docs: Sequence[TokenizedDoc]) -> dict[str, np.ndarray]:
     }
 
 
+def _tag_sections(docs: Sequence[TokenizedDoc]) -> dict[str, np.ndarray]:
+    """The tag sections, or none when no document has a tag (files without tags stay as they were)."""
+    if all(d.tag is None for d in docs):
+        return {}
+    names: dict[str, int] = {}
+    ids = np.array([-1 if d.tag is None else names.setdefault(d.tag, len(names)) for d in docs], dtype=np.int32)
+    names_json = json.dumps(list(names), ensure_ascii=False).encode("utf-8")
+    return {"tag_names": np.frombuffer(names_json, dtype=np.uint8), "tag_ids": ids}
+
+
 def _check_vocab(tokens: np.ndarray, doc_offsets: np.ndarray, docs: Sequence[TokenizedDoc], vocab_size: int) -> None:
     if tokens.size == 0:
         return
@@ -223,6 +235,7 @@ def write_pbin(
     else:
         num_loss_tokens = int(lengths.sum())
     sections.update(_source_sections(docs))
+    sections.update(_tag_sections(docs))
 
     table, offset = [], 0
     for name, arr in sections.items():
@@ -382,6 +395,9 @@ class PbinFile:
         if h["has_spans"]:
             expected["span_offsets"] = ("int64", (n + 1,))
             expected["spans"] = ("int32", None)
+        if "tag_names" in self._sections or "tag_ids" in self._sections:
+            expected["tag_names"] = ("uint8", None)
+            expected["tag_ids"] = ("int32", (n,))
         for name, (dtype, shape) in expected.items():
             s = self._sections.get(name)
             if s is None:
@@ -446,6 +462,10 @@ class PbinFile:
                 or (spans[:, 1] > lengths[doc_of_span]).any()
             ):
                 raise PbinError(f"{self.path}: corrupt section 'spans' (span outside its document)")
+        if self.has_tags:
+            ids = self.section("tag_ids")
+            if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= len(self.tag_names)):
+                raise PbinError(f"{self.path}: corrupt section 'tag_ids' (outside tag_names)")
         if int(self.loss_token_counts.sum()) != self.header["num_loss_tokens"]:
             raise PbinError(f"{self.path}: header num_loss_tokens disagrees with the spans")
 
@@ -491,6 +511,25 @@ class PbinFile:
         line = int(self.section("source_lines")[i])
         return name if line < 0 else f"{name}:{line}"
 
+    @property
+    def has_tags(self) -> bool:
+        return "tag_names" in self._sections
+
+    @cached_property
+    def tag_names(self) -> list[str]:
+        """The distinct tags of the file's documents (empty when none has one)."""
+        return json.loads(self.section("tag_names").tobytes().decode("utf-8")) if self.has_tags else []
+
+    @property
+    def tag_ids(self) -> np.ndarray:
+        """int32 (N,): each document's position in `tag_names`, -1 for an untagged one (all -1 without tags)."""
+        return self.section("tag_ids") if self.has_tags else np.full(self.num_docs, -1, dtype=np.int32)
+
+    def tag(self, i: int) -> str | None:
+        """Document `i`'s tag, or None."""
+        k = int(self.tag_ids[self._check_index(i)])
+        return None if k < 0 else self.tag_names[k]
+
     # ---- per-file arrays
 
     @property
@@ -513,6 +552,7 @@ class PbinFile:
         """Drop the arrays and unmap. Views handed out earlier keep the mapping alive until they are collected."""
         self._arrays.clear()
         self.__dict__.pop("loss_token_counts", None)
+        self.__dict__.pop("tag_names", None)
         try:
             self._mm.close()
         except BufferError:

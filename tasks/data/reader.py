@@ -97,6 +97,9 @@ class DocumentReader:
         return state
 
 
+UNTAGGED = "(none)"  # the tag label of untagged documents in a breakdown, when other documents have tags
+
+
 class IndexedDataset:
     """One split of a dataset index as a map-style dataset: `ds[i] -> (input_ids int64, loss_spans int32 (S, 2))`.
 
@@ -121,6 +124,9 @@ class IndexedDataset:
         # Which data source each item came from: `source_names[source_ids[i]]`.
         self.source_names = self.index.source_names
         self.source_ids = self.index.source[self.ids]
+        # Each item's tag: `tag_names[tag_ids[i]]`, -1 for an untagged one.
+        self.tag_names = self.index.tag_names
+        self.tag_ids = np.asarray(self.index.tag)[self.ids]
         self.reader = DocumentReader(self.index.shard_paths)
         self._check_shards()
 
@@ -155,6 +161,17 @@ class IndexedDataset:
     def source(self, i: int) -> str:
         """`"path:line"` of item `i`, for error messages and inspection."""
         return self.reader.source(int(self._shard[i]), int(self._doc[i]))
+
+    def tag(self, i: int) -> str | None:
+        k = int(self.tag_ids[i])
+        return None if k < 0 else self.tag_names[k]
+
+    def tag_labels(self, items: np.ndarray) -> list[str] | None:
+        """The tags of `items` for a per-tag breakdown, `UNTAGGED` for an untagged one; None when no item of the
+        dataset has a tag."""
+        if not self.tag_names:
+            return None
+        return [UNTAGGED if k < 0 else self.tag_names[k] for k in self.tag_ids[np.asarray(items, dtype=np.int64)]]
 
     def trainable_target_counts(self) -> np.ndarray:
         """Per item: trained tokens that are real targets, i.e. not a document's first token (nothing predicts it).

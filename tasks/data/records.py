@@ -17,12 +17,13 @@ class RenderedDoc:
 
     `train_char_spans` are half-open `[start, end)` character ranges of `text` whose tokens are trained.
     `source` is `"path:line"` (JSONL, 1-based) or `"path:row"` (Parquet / datasets, 0-based) for error messages and
-    provenance.
+    provenance. `tag` is the record's tag field (`render.tag_field`), if it has one: metrics are broken down by it.
     """
 
     text: str
     train_char_spans: tuple[tuple[int, int], ...]
     source: str
+    tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class TokenizedDoc:
     input_ids: np.ndarray  # int64 (L,)
     loss_spans_S2: np.ndarray  # int32 (S, 2)
     source: str
+    tag: str | None = None
 
     @property
     def loss_token_count(self) -> int:

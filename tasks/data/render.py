@@ -13,6 +13,7 @@ with any prefix-stable template: the span of message i is the text that renderin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -48,6 +49,9 @@ class RenderConfig(BaseModel):
     text_spans: Literal["train", "exclude"] = "train"
     text_field: str = "text"
     spans_field: str = "spans"
+    tag_field: str | None = Field(
+        "tag", description="a record field whose value (a string) labels the record; metrics break down by it"
+    )
     # Limits: a template is untrusted code and a record untrusted data.
     max_render_seconds: float = Field(DEFAULT_SECONDS, gt=0, description="wall time one record's render may take")
     max_output_chars: int = Field(
@@ -163,10 +167,36 @@ def _role_spans(template: ChatTemplate, conv: Conversation, train_roles, source:
     return RenderedDoc(text=previous, train_char_spans=tuple(spans), source=source)
 
 
+MAX_TAG_CHARS = 200
+
+
+def record_tag(record: dict[str, Any], field: str | None, source: str) -> str | None:
+    """The record's tag: a non-empty string (or an integer, as text) in `field`; None when absent, null or empty."""
+    if field is None or not isinstance(record, dict):
+        return None
+    value = record.get(field)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecordError(source, field, f"is {type(value).__name__}; a tag is a string")
+    tag = str(value)
+    if len(tag) > MAX_TAG_CHARS:
+        raise RecordError(source, field, f"is {len(tag)} characters long; a tag has at most {MAX_TAG_CHARS}")
+    return tag
+
+
 def render_record(
     record: dict[str, Any], template: ChatTemplate | None, config: RenderConfig, source: str = "<record>"
 ) -> RenderedDoc:
     """Normalise and render one raw record. Raises `RecordError` (a ValueError) naming `source` and the field."""
+    doc = _render_record(record, template, config, source)
+    tag = record_tag(record, config.tag_field, source)
+    return doc if tag is None else dataclasses.replace(doc, tag=tag)
+
+
+def _render_record(
+    record: dict[str, Any], template: ChatTemplate | None, config: RenderConfig, source: str
+) -> RenderedDoc:
     fmt = config.format
     if fmt == "auto":
         fmt = detect_format(record)
@@ -271,6 +301,8 @@ def render_source(
                 rout.write(json.dumps(err.as_reject(), ensure_ascii=False) + "\n")
                 continue
             row = {"text": doc.text, "train_char_spans": [list(s) for s in doc.train_char_spans], "source": source}
+            if doc.tag is not None:
+                row["tag"] = doc.tag
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             rendered += 1
     return RenderStats(
@@ -291,7 +323,7 @@ def read_rendered_shard(path: str | Path) -> list[RenderedDoc]:
         for line in f:
             row = json.loads(line)
             spans = tuple((int(s), int(e)) for s, e in row["train_char_spans"])
-            docs.append(RenderedDoc(text=row["text"], train_char_spans=spans, source=row["source"]))
+            docs.append(RenderedDoc(row["text"], spans, row["source"], row.get("tag")))
     return docs
 
 

@@ -216,7 +216,7 @@ def _tokenize(
                 continue
             ids, mask = ids[: config.max_length], mask[: config.max_length]
             truncated += 1
-        out.append(TokenizedDoc(input_ids=ids, loss_spans_S2=mask_to_spans(mask), source=doc.source))
+        out.append(TokenizedDoc(ids, mask_to_spans(mask), doc.source, doc.tag))
     return out, rejected, truncated, "hf" if fast is None else "tiktoken"
 
 
@@ -249,7 +249,8 @@ def tokenize_rendered_shard(
     """Tokenize a rendered JSONL shard into an `.npz` (no pickle) of CSR arrays; written atomically.
 
     Arrays: `input_ids` int32 (N,), `doc_ptr` int64 (D+1,), `loss_spans` int32 (S, 2) relative to each doc,
-    `span_ptr` int64 (D+1,), `sources` uint8 (UTF-8 JSON list of `file:line` strings), `format_version` int64 (1,).
+    `span_ptr` int64 (D+1,), `sources` uint8 (UTF-8 JSON list of `file:line` strings), `format_version` int64 (1,),
+    and `tags` uint8 (a UTF-8 JSON list of each document's tag or null) when a document has a tag.
     `tokenizer_path` may also be a loaded fast tokenizer.
     """
     from sftflow.tasks.data.render import read_rendered_shard
@@ -263,10 +264,15 @@ def tokenize_rendered_shard(
     input_ids = np.concatenate([d.input_ids for d in docs]).astype(np.int32) if docs else np.zeros(0, np.int32)
     loss_spans = np.concatenate([d.loss_spans_S2 for d in docs]) if docs else np.zeros((0, 2), np.int32)
     sources = np.frombuffer(json.dumps([d.source for d in docs], ensure_ascii=False).encode(), dtype=np.uint8)
+    tags = [d.tag for d in docs]
+    extra = {}
+    if any(t is not None for t in tags):
+        extra["tags"] = np.frombuffer(json.dumps(tags, ensure_ascii=False).encode(), dtype=np.uint8)
     out_path = Path(out_path)
     with atomic_writer(out_path) as f:
         np.savez(
             f,
+            **extra,
             input_ids=input_ids,
             doc_ptr=doc_ptr,
             loss_spans=loss_spans.astype(np.int32).reshape(-1, 2),
@@ -294,11 +300,13 @@ def load_tokenized_shard(path: str | Path) -> list[TokenizedDoc]:
         input_ids = shard["input_ids"].astype(np.int64)
         doc_ptr, span_ptr, loss_spans = shard["doc_ptr"], shard["span_ptr"], shard["loss_spans"]
         sources = json.loads(shard["sources"].tobytes().decode("utf-8"))
+        tags = json.loads(shard["tags"].tobytes().decode("utf-8")) if "tags" in shard.files else [None] * len(sources)
     return [
         TokenizedDoc(
             input_ids=input_ids[doc_ptr[i] : doc_ptr[i + 1]],
             loss_spans_S2=loss_spans[span_ptr[i] : span_ptr[i + 1]],
             source=sources[i],
+            tag=tags[i],
         )
         for i in range(len(sources))
     ]

@@ -18,6 +18,7 @@ import numpy as np
 
 from sftflow.tasks.plan.planner import PlanArrays
 from sftflow.tasks.plan.planner import load_plan as _load_plan
+from sftflow.tasks.train.breakdown import Breakdown, doc_of_target
 from sftflow.tasks.train.collate import collate, packed_collator, padded_collator
 
 PLAN_FILE = "plan.npz"
@@ -61,9 +62,19 @@ def dataset_vocab_size(dataset) -> int | None:
 
 
 class RankBatches:
-    """The collated micro-batches of one rank for a step."""
+    """The collated micro-batches of one rank for a step. With a `breakdown`, each also carries `loss_row_cells`:
+    the source and tag cells of its trained targets (`sftflow.tasks.train.breakdown`)."""
 
-    def __init__(self, plan: PlanArrays, dataset, *, rank: int, world_size: int, pad_id: int = 0):
+    def __init__(
+        self,
+        plan: PlanArrays,
+        dataset,
+        *,
+        rank: int,
+        world_size: int,
+        pad_id: int = 0,
+        breakdown: Breakdown | None = None,
+    ):
         if plan.num_ranks % world_size != 0:
             raise ValueError(
                 f"the plan is for {plan.num_ranks} ranks, which the world size {world_size} does not "
@@ -77,13 +88,17 @@ class RankBatches:
         self.dataset = dataset
         self.packed = plan.mode != "padded"
         self.fns = packed_collator(pad_id) if self.packed else padded_collator(pad_id)
+        self.breakdown = breakdown
 
     def __call__(self, step: int) -> list[dict]:
         batches = []
         for m in range(self.plan.micro_batches_per_step):
             for r in self.plan_ranks:
-                docs = [self.dataset[int(i)] for i in plan_row(self.plan, step, m, r)]
-                batches.append(collate(docs, self.fns))
+                ids = plan_row(self.plan, step, m, r)
+                batch = collate([self.dataset[int(i)] for i in ids], self.fns)
+                if self.breakdown is not None:
+                    batch["loss_row_cells"] = self.breakdown.row_cells(ids, doc_of_target(batch))
+                batches.append(batch)
         return batches
 
 

@@ -110,6 +110,7 @@ class MetricsLogger:
         skipped: str | None = None,
         peak_memory_gib: float | None = None,
         trained_tokens_by_source: dict[str, int] | None = None,
+        breakdown: dict[str, dict[str, dict]] | None = None,
     ) -> dict:
         ema_step_time = self.step_time.update(seconds)
         tokens_per_s = tokens / seconds if seconds > 0 else math.nan
@@ -136,6 +137,8 @@ class MetricsLogger:
         }
         if trained_tokens_by_source is not None:
             record["trained_tokens_by_source"] = trained_tokens_by_source
+        if breakdown is not None:  # {"source"|"tag": {name: {loss, token_accuracy, trained_tokens}}}
+            record["breakdown"] = breakdown
         if self.is_main:
             with self.config.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

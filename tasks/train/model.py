@@ -235,6 +235,10 @@ class CausalLMLoss(nn.Module):
         # Set where parameters of two dtypes meet in one matmul (fp32 LoRA adapters on a bf16 base): the decoder then
         # computes in this dtype, as FSDP's mixed precision casts them where the model is sharded.
         self.autocast_dtype = autocast_dtype
+        # When set, each forward also keeps its trained tokens' losses and hits (`last_row_stats`, (2, n)) for the
+        # per-source and per-tag breakdown of the training loss.
+        self.keep_row_stats = False
+        self.last_row_stats: torch.Tensor | None = None
 
     def forward(
         self, input_ids, position_ids, labels, attention_mask=None, cu_seqlens=None, max_seqlen=None, loss_rows=None
@@ -260,7 +264,12 @@ class CausalLMLoss(nn.Module):
                 **attn_kwargs,
             )
         weight = self.lm.get_output_embeddings().weight
-        loss_sum = linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
+        if self.keep_row_stats:
+            loss_sum, self.last_row_stats = linear_cross_entropy(
+                out.last_hidden_state, weight, labels, rows=loss_rows, row_stats=True
+            )
+        else:
+            loss_sum = linear_cross_entropy(out.last_hidden_state, weight, labels, rows=loss_rows)
         if self.router_aux_loss_coef is not None:
             loss_sum = loss_sum + self._router_loss(out.router_logits, attention_mask, labels, loss_rows)
         return loss_sum
@@ -284,7 +293,7 @@ def model_batch(batch: dict, device: torch.device, vocab_size: int | None = None
     syncs in the loss. On CUDA the tensors are pinned first, so their copies queue behind the device's work instead
     of waiting for it.
     """
-    keys = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens", "loss_rows")
+    keys = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens", "loss_rows", "loss_row_cells")
     if vocab_size is not None and batch["loss_rows"].numel():
         targets = batch["labels"].reshape(-1)[batch["loss_rows"]]
         bad = targets[(targets < 0) | (targets >= vocab_size)]

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from sftflow.tasks.train import config as cfg
 from sftflow.tasks.train.activations import apply_activation_checkpointing, resolve_activation_checkpointing
+from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
 from sftflow.tasks.train.checkpoint import (
     Checkpointer,
     ModelState,
@@ -147,27 +148,36 @@ def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
     return 1.0 - (1 - c.min_lr_ratio) * progress
 
 
-def forward_backward(model, batches: list[dict], step_loss_tokens: int, device: torch.device) -> torch.Tensor:
+def forward_backward(
+    model, batches: list[dict], step_loss_tokens: int, device: torch.device, num_cells: int = 0
+) -> torch.Tensor:
     """Accumulate the gradients of `sum(token losses) / step_loss_tokens` over this rank's micro-batches.
 
-    Returns this rank's fp64 `[loss sum, trained targets, tokens, sum of doc_length**2]` for the step's metrics.
+    Returns this rank's fp64 `[loss sum, trained targets, tokens, sum of doc_length**2]` for the step's metrics,
+    followed, with `num_cells` (the batches carry `loss_row_cells`), by the flat `(3, num_cells)` breakdown table.
     A micro-batch without trained targets still runs forward and backward (the loss is a graph-connected zero), so
     FSDP's collectives stay in step across ranks.
     """
     loss_total = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device: no sync per batch
+    table = torch.zeros(3, num_cells, dtype=torch.float64, device=device)
     counts = torch.zeros(3, dtype=torch.float64)
     vocab_size = getattr(model, "vocab_size", None)
     for batch in batches:
         inputs = batch.get("device_inputs") or model_batch(batch, device, vocab_size)  # staged ahead by Prefetch
+        cells = inputs.get("loss_row_cells")
+        if cells is not None:
+            inputs = {k: v for k, v in inputs.items() if k != "loss_row_cells"}
         loss_sum = model(**inputs)
         (loss_sum / step_loss_tokens).backward()
         loss_total += loss_sum.detach()
+        if cells is not None:
+            add_cells(table, cells, model.last_row_stats)
         lengths = batch["doc_lengths"].double()
         counts += torch.stack([torch.tensor(float(batch["num_loss_tokens"])), lengths.sum(), (lengths**2).sum()])
     # Pinned and non-blocking: a plain copy to the GPU would wait for the whole backward before the optimizer is
     # queued, and the GPU would idle while the host queues it.
     counts = counts.pin_memory() if device.type == "cuda" else counts
-    return torch.cat([loss_total.reshape(1), counts.to(device, non_blocking=True)])
+    return torch.cat([loss_total.reshape(1), counts.to(device, non_blocking=True), table.reshape(-1)])
 
 
 def gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -210,6 +220,7 @@ class StepTotals:
     tokens: int
     sum_sq_doc_lengths: float
     grad_norm: float
+    cells: list[float] = field(default_factory=list)  # the flat (3, cells) breakdown table, summed over ranks
 
 
 def train_step(
@@ -221,6 +232,7 @@ def train_step(
     device: torch.device,
     after_backward=None,
     host_work=None,
+    num_cells: int = 0,
 ) -> StepTotals:
     """The training step, as the worker runs it (and `benchmarks/train_throughput.py` times it): forward and
     backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals.
@@ -229,7 +241,7 @@ def train_step(
     next step's micro-batches overlaps the device's backward and optimizer instead of leaving the device idle."""
     # The labelled ranges show where the host spends each step in a profiler trace (~1 us each when not profiling).
     with record_function("sftflow.forward_backward"):
-        local = forward_backward(model, batches, step_loss_tokens, device)
+        local = forward_backward(model, batches, step_loss_tokens, device, num_cells)
     if after_backward is not None:
         after_backward()
     with record_function("sftflow.optimizer"):
@@ -241,9 +253,14 @@ def train_step(
         with record_function("sftflow.host_work"):
             host_work()
     with record_function("sftflow.step_totals"):
-        loss_sum, targets, tokens, sum_sq, norm_value = totals.tolist()
+        loss_sum, targets, tokens, sum_sq, *cells, norm_value = totals.tolist()
     return StepTotals(
-        loss_sum=loss_sum, targets=int(targets), tokens=int(tokens), sum_sq_doc_lengths=sum_sq, grad_norm=norm_value
+        loss_sum=loss_sum,
+        targets=int(targets),
+        tokens=int(tokens),
+        sum_sq_doc_lengths=sum_sq,
+        grad_norm=norm_value,
+        cells=cells,
     )
 
 
@@ -321,6 +338,7 @@ class Run:
     total_steps: int
     tokenizer_path: str | None
     source_tokens: tuple[list[str], object] | None = None  # per-step trained targets by data source, if several
+    breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
 
 
 def build_run(run_dir: Path) -> Run:
@@ -343,7 +361,8 @@ def build_run(run_dir: Path) -> Run:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         vocab_size = max(vocab_size or 0, len(tokenizer))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id)
+    breakdown = breakdown_of(dataset)
+    batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id, breakdown=breakdown)
     total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
 
     lm, weights = build_training_model(
@@ -406,19 +425,21 @@ def build_run(run_dir: Path) -> Run:
             flush=True,
         )
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
+    model.keep_row_stats = breakdown is not None
     return Run(
         run_dir=Path(run_dir), config=config, env=env, plan=plan, lm=lm, model=model, optimizer=optimizer,
         scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
-        tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset),
+        tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
     )  # fmt: skip
 
 
 def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None:
     """Train optimizer step `step` (0-based); None for a step without trained tokens, which every rank skips
     together (they all read the same plan) after one all-reduce that keeps them in step."""
-    if step_loss_tokens == 0:
-        dist.all_reduce(torch.zeros(4, dtype=torch.float64, device=run.env.device))
+    num_cells = run.breakdown.num_cells if run.breakdown is not None else 0
+    if step_loss_tokens == 0:  # the same size as a trained step's all-reduce, which the other ranks make
+        dist.all_reduce(torch.zeros(4 + 3 * num_cells, dtype=torch.float64, device=run.env.device))
         return None
     save_grads = None
     if step + 1 in run.config.save_grads_at_steps:
@@ -433,6 +454,7 @@ def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None
         run.env.device,
         save_grads,
         host_work=partial(run.prefetch.collate, step + 1),
+        num_cells=num_cells,
     )
 
 
@@ -483,6 +505,7 @@ def train(run_dir: Path) -> None:
             skipped=skipped,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if run.env.device.type == "cuda" else None,
             trained_tokens_by_source=step_source_tokens(run, step),
+            breakdown=run.breakdown.report(totals.cells) if run.breakdown is not None and totals is not None else None,
         )
         if run.checkpointer.due(progress.step):
             run.checkpointer.save(progress.step)
