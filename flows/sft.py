@@ -108,9 +108,10 @@ def summary_markdown(result: SFTResult) -> str:
             f"| {src.name} | {src.planned_share:.1%} ({src.requested_share:.1%}) | {src.planned_docs} of {src.docs} |"
             for src in s.sources
         ]
-    by_source = source_rows(m)
-    if by_source:
-        lines += ["", *by_source]
+    for by in ("source", "tag"):
+        rows = source_rows(m, by=by)
+        if rows:
+            lines += ["", *rows]
     plot = result.eval.plot_path
     if plot and Path(plot).is_file():
         image = base64.b64encode(Path(plot).read_bytes()).decode()

@@ -140,7 +140,7 @@ class ModelRef(BaseModel):
 
 
 class SourceMetrics(BaseModel):
-    """One model's masked metrics on the eval documents of one data source."""
+    """One model's masked metrics on the eval documents of one data source (or of one tag)."""
 
     model_config = ConfigDict(frozen=True)
     loss: float
@@ -151,7 +151,8 @@ class SourceMetrics(BaseModel):
 
 class EvalMetrics(BaseModel):
     """One model's metrics on the eval split. `exact_match` and `overlap` are None when no answer was generated.
-    `by_source` breaks the masked metrics down by data source (its `loss_tokens` add up to the total)."""
+    `by_source` breaks the masked metrics down by data source, and `by_tag` by the records' tag (untagged documents
+    under "(none)" when some are tagged); the `loss_tokens` of each add up to the total."""
 
     model_config = ConfigDict(frozen=True)
     loss: float  # masked mean cross-entropy over the trained tokens
@@ -162,6 +163,7 @@ class EvalMetrics(BaseModel):
     overlap: float | None = None
     generations: int = 0
     by_source: dict[str, SourceMetrics] = {}
+    by_tag: dict[str, SourceMetrics] = {}
 
 
 class EvalReport(Manifest):

@@ -41,12 +41,16 @@ def _targets(ids: np.ndarray, spans: np.ndarray) -> tuple[torch.Tensor, torch.Te
 
 @torch.no_grad()
 def masked_metrics(
-    model, docs: Sequence[tuple[np.ndarray, np.ndarray]], sources: Sequence[str] | None = None
+    model,
+    docs: Sequence[tuple[np.ndarray, np.ndarray]],
+    sources: Sequence[str] | None = None,
+    tags: Sequence[str] | None = None,
 ) -> EvalMetrics:
-    """Masked loss and token accuracy over `docs`; with `sources` (each document's data source) also per source."""
+    """Masked loss and token accuracy over `docs`; with `sources` (each document's data source) also per source, and
+    with `tags` (each document's tag) per tag."""
     model.eval()
     device = next(model.parameters()).device
-    sums: dict[str, list[float]] = {}  # source -> [loss sum, correct, count, docs]
+    per_doc: list[tuple[int, float, int, int]] = []  # (document, loss sum, correct, count) of documents with targets
     for i, (ids, spans) in enumerate(docs):
         input_ids, labels = _targets(np.asarray(ids), spans)
         keep = labels != -100
@@ -55,28 +59,37 @@ def masked_metrics(
         logits = model(input_ids=input_ids[None].to(device)).logits[0].float()
         target = labels.to(device)[keep.to(device)]
         picked = logits[keep.to(device)]
-        row = sums.setdefault(sources[i] if sources is not None else "", [0.0, 0, 0, 0])
-        row[0] += torch.nn.functional.cross_entropy(picked, target, reduction="sum").item()
-        row[1] += int((picked.argmax(-1) == target).sum())
-        row[2] += int(keep.sum())
-        row[3] += 1
-    loss_sum, correct, count = (sum(r[k] for r in sums.values()) for k in range(3))
+        loss_sum = torch.nn.functional.cross_entropy(picked, target, reduction="sum").item()
+        per_doc.append((i, loss_sum, int((picked.argmax(-1) == target).sum()), int(keep.sum())))
+    loss_sum, correct, count = (sum(row[k] for row in per_doc) for k in (1, 2, 3))
     if count == 0:
         raise ValueError("the eval split has no trained tokens: nothing to evaluate")
     loss = loss_sum / count
-    by_source = {}
-    if sources is not None:
-        by_source = {
-            name: SourceMetrics(loss=r[0] / r[2], token_accuracy=r[1] / r[2], loss_tokens=r[2], docs=r[3])
-            for name, r in sorted(sums.items())
-        }
     return EvalMetrics(
         loss=loss,
         perplexity=math.exp(min(loss, 50.0)),
         token_accuracy=correct / count,
         loss_tokens=count,
-        by_source=by_source,
+        by_source=_grouped(per_doc, sources),
+        by_tag=_grouped(per_doc, tags),
     )
+
+
+def _grouped(per_doc: list[tuple[int, float, int, int]], keys: Sequence[str] | None) -> dict[str, SourceMetrics]:
+    """The per-document sums added up by each document's key (its source, or its tag), as metrics per key."""
+    if keys is None:
+        return {}
+    sums: dict[str, list[float]] = {}  # key -> [loss sum, correct, count, docs]
+    for i, loss_sum, correct, count in per_doc:
+        row = sums.setdefault(keys[i], [0.0, 0, 0, 0])
+        row[0] += loss_sum
+        row[1] += correct
+        row[2] += count
+        row[3] += 1
+    return {
+        name: SourceMetrics(loss=r[0] / r[2], token_accuracy=r[1] / r[2], loss_tokens=r[2], docs=r[3])
+        for name, r in sorted(sums.items())
+    }
 
 
 def prompt_and_reference(ids: np.ndarray, spans: np.ndarray, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -139,9 +152,10 @@ def evaluate_models(
     max_generations: int = 64,
     num_examples: int = 4,
     sources: Sequence[str] | None = None,
+    tags: Sequence[str] | None = None,
 ) -> EvalResult:
-    """Masked metrics for every model on `docs` (per data source too, given each document's `sources`), plus greedy
-    generation on the first `max_generations` docs."""
+    """Masked metrics for every model on `docs` (per data source and per tag too, given each document's `sources` and
+    `tags`), plus greedy generation on the first `max_generations` docs."""
     eos_id = tokenizer.eos_token_id
     gen_docs = [d for d in docs if len(np.asarray(d[1]).reshape(-1, 2))][:max_generations]
     splits = [prompt_and_reference(np.asarray(ids), spans, eos_id) for ids, spans in gen_docs]
@@ -154,7 +168,7 @@ def evaluate_models(
     ]
     metrics = {}
     for name, model in models.items():
-        base = masked_metrics(model, docs, sources)
+        base = masked_metrics(model, docs, sources, tags)
         if prompts:
             answers = greedy_answers(model, tokenizer, prompts, budgets)
             exact = float(np.mean([a == r for a, r in zip(answers, references, strict=True)]))

@@ -127,12 +127,12 @@ def _compare(candidate: ModelRef, champion, index: DatasetIndex, tokenizer: Toke
     dataset = IndexedDataset(load_index(index.dir, verify=True), split="eval")
     if len(dataset) == 0:
         raise ValueError(f"{index.path}: the eval split is empty; the gate needs index.eval_fraction > 0")
-    docs, sources = eval_documents(dataset, eval_config.max_docs)
+    docs, sources, tags = eval_documents(dataset, eval_config.max_docs)
     models = {"candidate": load_model(candidate, dataset.vocab_size)}
     if champion is not None:
         models["champion"] = load_model(ModelRef(spec=str(champion.model_dir)), dataset.vocab_size)
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer.path)
     evaluated = evaluate_models(
-        models, hf_tokenizer, docs, eval_config.max_generations, num_examples=0, sources=sources
+        models, hf_tokenizer, docs, eval_config.max_generations, num_examples=0, sources=sources, tags=tags
     )
     return evaluated.metrics

@@ -68,11 +68,16 @@ def metrics_table(result: EvalResult) -> list[dict]:
     return rows
 
 
-def source_table(metrics: dict[str, EvalMetrics]) -> list[dict]:
-    """One row per (data source, model): masked loss, token accuracy, trained tokens and documents."""
+def _groups(metrics: EvalMetrics, by: str) -> dict:
+    return metrics.by_source if by == "source" else metrics.by_tag
+
+
+def source_table(metrics: dict[str, EvalMetrics], by: str = "source") -> list[dict]:
+    """One row per (data source, model), or per (tag, model) with `by="tag"`: masked loss, token accuracy, trained
+    tokens and documents."""
     return [
         {
-            "source": source,
+            by: source,
             "model": name,
             "loss": round(m.loss, 4),
             "token_accuracy": round(m.token_accuracy, 4),
@@ -80,20 +85,21 @@ def source_table(metrics: dict[str, EvalMetrics]) -> list[dict]:
             "docs": m.docs,
         }
         for name, model_metrics in metrics.items()
-        for source, m in model_metrics.by_source.items()
+        for source, m in _groups(model_metrics, by).items()
     ]
 
 
-def source_rows(metrics: dict[str, EvalMetrics]) -> list[str]:
-    """A markdown table of loss and token accuracy per data source and model; none for a single source."""
-    sources = sorted({s for m in metrics.values() for s in m.by_source})
-    if len(sources) < 2:
+def source_rows(metrics: dict[str, EvalMetrics], by: str = "source") -> list[str]:
+    """A markdown table of loss and token accuracy per data source (or tag) and model; none for a single source (for
+    tags: none when no record has one)."""
+    sources = sorted({s for m in metrics.values() for s in _groups(m, by)})
+    if len(sources) < (2 if by == "source" else 1):
         return []
     names = list(metrics)
-    head = ["source", "docs", *[f"{n} loss" for n in names], *[f"{n} token acc" for n in names]]
+    head = [by, "docs", *[f"{n} loss" for n in names], *[f"{n} token acc" for n in names]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for source in sources:
-        cells = [metrics[n].by_source.get(source) for n in names]
+        cells = [_groups(metrics[n], by).get(source) for n in names]
         docs = next((c.docs for c in cells if c is not None), 0)
         losses = ["n/a" if c is None else f"{c.loss:.4f}" for c in cells]
         accuracies = ["n/a" if c is None else f"{c.token_accuracy:.1%}" for c in cells]
@@ -101,10 +107,10 @@ def source_rows(metrics: dict[str, EvalMetrics]) -> list[str]:
     return lines
 
 
-def plot_source_losses(result: EvalResult, out_png: Path) -> Path | None:
-    """Bars of eval loss per data source, one per model; None for a single source."""
-    sources = sorted({s for m in result.metrics.values() for s in m.by_source})
-    if len(sources) < 2:
+def plot_source_losses(result: EvalResult, out_png: Path, by: str = "source") -> Path | None:
+    """Bars of eval loss per data source (or tag, `by="tag"`), one per model; None for a single source (no tags)."""
+    sources = sorted({s for m in result.metrics.values() for s in _groups(m, by)})
+    if len(sources) < (2 if by == "source" else 1):
         return None
     import numpy as np
 
@@ -112,11 +118,13 @@ def plot_source_losses(result: EvalResult, out_png: Path) -> Path | None:
     width = 0.8 / max(1, len(result.metrics))
     x = np.arange(len(sources))
     for k, (name, metrics) in enumerate(result.metrics.items()):
-        losses = [metrics.by_source[s].loss if s in metrics.by_source else np.nan for s in sources]
+        groups = _groups(metrics, by)
+        losses = [groups[s].loss if s in groups else np.nan for s in sources]
         ax.bar(x + k * width, losses, width, label=name)
     ax.set_xticks(x + width * (len(result.metrics) - 1) / 2, sources, rotation=20, ha="right")
     ax.set_ylabel("eval loss (nats/token)")
-    return _save(fig, ax, "sftflow: held-out loss by data source", out_png, axis="y")
+    title = "data source" if by == "source" else "tag"
+    return _save(fig, ax, f"sftflow: held-out loss by {title}", out_png, axis="y")
 
 
 def _fmt(value) -> str:
@@ -138,6 +146,9 @@ def markdown_summary(result: EvalResult, plot_path: Path | None) -> str:
     by_source = source_rows(result.metrics)
     if by_source:
         lines += ["", "## By data source", "", *by_source]
+    by_tag = source_rows(result.metrics, by="tag")
+    if by_tag:
+        lines += ["", "## By tag", "", *by_tag]
     if plot_path is not None:
         lines += ["", f"Loss curve: `{plot_path}`"]
     for i, example in enumerate(result.examples):

@@ -40,18 +40,20 @@ def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
 
 def eval_items(dataset: IndexedDataset, max_docs: int | None) -> np.ndarray:
     """The eval split's items to evaluate: all, or `max_docs` of them. With one source, the first in index order.
-    With several, the index lists them source by source, so the first `max_docs` could leave later sources out: the
-    sample is taken by content hash instead (the split already treats it as uniform), in index order."""
+    With several (or with tags), the index lists them source by source, so the first `max_docs` could leave later
+    sources or tags out: the sample is taken by content hash instead (the split already treats it as uniform), in
+    index order."""
     n = len(dataset)
     count = n if max_docs is None else min(n, max_docs)
-    if count == n or len(dataset.source_names) < 2:
+    if count == n or (len(dataset.source_names) < 2 and not dataset.tag_names):
         return np.arange(count)
     hashes = np.asarray(dataset.index.content_hash)[dataset.ids]
     return np.sort(np.argsort(hashes, kind="stable")[:count])
 
 
-def eval_documents(dataset: IndexedDataset, max_docs: int | None) -> tuple[list, list[str]]:
-    """The documents `eval_items` picks and each one's source name; a warning names sources the sample lacks."""
+def eval_documents(dataset: IndexedDataset, max_docs: int | None) -> tuple[list, list[str], list[str] | None]:
+    """The documents `eval_items` picks, each one's source name and tag (None without tags); a warning names sources
+    the sample lacks."""
     items = eval_items(dataset, max_docs)
     sources = [dataset.source_names[s] for s in dataset.source_ids[items]]
     present = set(sources)
@@ -62,7 +64,7 @@ def eval_documents(dataset: IndexedDataset, max_docs: int | None) -> tuple[list,
             "(or eval.max_docs)",
             missing,
         )
-    return [dataset[int(i)] for i in items], sources
+    return [dataset[int(i)] for i in items], sources, dataset.tag_labels(items)
 
 
 def evaluate_run(
@@ -81,17 +83,20 @@ def evaluate_run(
     dataset = IndexedDataset(load_index(index_dir, verify=True), split="eval")  # arrays checked against index.json
     if len(dataset) == 0:
         raise ValueError(f"{index_dir}: the eval split is empty; set index.eval_fraction > 0")
-    docs, sources = eval_documents(dataset, config.max_docs)
+    docs, sources, tags = eval_documents(dataset, config.max_docs)
     models = {}
     if base is not None:
         models["base"] = load_model(base, dataset.vocab_size)
     models["tuned"] = load_model(tuned, dataset.vocab_size)
-    result = evaluate_models(models, tokenizer, docs, config.max_generations, config.num_examples, sources=sources)
+    result = evaluate_models(
+        models, tokenizer, docs, config.max_generations, config.num_examples, sources=sources, tags=tags
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     plot = None
     if metrics_path is not None:
         plot = plot_loss_curve(metrics_path, result, final_step, out_dir / "loss_curve.png")
     plot_source_losses(result, out_dir / "source_loss.png")
+    plot_source_losses(result, out_dir / "tag_loss.png", by="tag")
     write_atomic(out_dir / "report.json", json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     write_atomic(out_dir / "report.md", markdown_summary(result, plot))
     return result, out_dir / "report.json"
@@ -131,6 +136,9 @@ def eval_task(
     per_source = source_table(result.metrics)
     if len({row["source"] for row in per_source}) > 1:
         create_table_artifact(per_source, key="sft-eval-sources", description="eval metrics by data source")
+    per_tag = source_table(result.metrics, by="tag")
+    if per_tag:
+        create_table_artifact(per_tag, key="sft-eval-tags", description="eval metrics by the records' tag")
     return EvalReport(
         path=str(report),
         sha256=sha256_file(report),

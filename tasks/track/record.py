@@ -33,9 +33,10 @@ class RunRecord:
                 value = getattr(m, key)
                 if value is not None:
                     out[f"eval/{model}/{key}"] = float(value)
-            for source, s in m.by_source.items():
-                out[f"eval/{model}/source/{safe_key(source)}/loss"] = s.loss
-                out[f"eval/{model}/source/{safe_key(source)}/token_accuracy"] = s.token_accuracy
+            for kind, groups in (("source", m.by_source), ("tag", m.by_tag)):
+                for name, s in groups.items():
+                    out[f"eval/{model}/{kind}/{safe_key(name)}/loss"] = s.loss
+                    out[f"eval/{model}/{kind}/{safe_key(name)}/token_accuracy"] = s.token_accuracy
         return out
 
     def eval_rows(self) -> list[dict[str, Any]]:
@@ -51,7 +52,7 @@ class RunRecord:
                     "exact_match": m.exact_match,
                 }
             )
-            for source, s in m.by_source.items():
+            for source, s in [*m.by_source.items(), *((f"tag {t}", v) for t, v in m.by_tag.items())]:
                 rows.append(
                     {
                         "model": model,
@@ -90,6 +91,11 @@ def step_rows(records: list[dict]) -> list[dict[str, float]]:
         row = {"step": int(r["step"])}
         for source, value in (r.get("trained_tokens_by_source") or {}).items():
             row[f"trained_tokens/{safe_key(source)}"] = float(value)
+        for kind, cells in (r.get("breakdown") or {}).items():  # the training loss by source and by tag
+            for name, cell in cells.items():
+                for metric in ("loss", "token_accuracy"):
+                    if cell.get(metric) is not None:
+                        row[f"train/{kind}/{safe_key(name)}/{metric}"] = float(cell[metric])
         for key, value in r.items():
             if key in _STEP_KEYS_SKIPPED or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

@@ -41,14 +41,21 @@ def _write_config(folder: Path, demo: dict, weights: list[float]) -> Path:
 
 def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_path):
     demo = write_demo(tmp_path / "demo", n=150)
-    lines = Path(demo["data"]).read_text().splitlines(keepends=True)
+    records = [json.loads(line) for line in Path(demo["data"]).read_text().splitlines()]
+    # every other record carries a tag: metrics break down by it too
+    lines = [
+        json.dumps({**r, "tag": "long" if i % 3 == 0 else "short"} if i % 2 else r) + "\n"
+        for i, r in enumerate(records)
+    ]
     (tmp_path / "data").mkdir()
     for name, part in (("chat", lines[:80]), ("code", lines[80:120]), ("math", lines[120:])):
         (tmp_path / "data" / f"{name}.jsonl").write_text("".join(part))
 
     config_path = _write_config(tmp_path, demo, [0.2, 0.3, 0.5])
     data = sft_data(config_path=str(config_path))
-    assert json.loads(Path(data.index.path).read_text())["sources"] == ["chat.jsonl", "code", "math.jsonl"]
+    index_json = json.loads(Path(data.index.path).read_text())
+    assert index_json["sources"] == ["chat.jsonl", "code", "math.jsonl"]
+    assert sorted(index_json["tags"]) == ["long", "short"]
     plan = sft_plan(config_path=str(config_path), data=data)
     shares = {s.name: s for s in plan.stats.sources}
     for name, weight in (("chat.jsonl", 0.2), ("code", 0.3), ("math.jsonl", 0.5)):
@@ -68,7 +75,7 @@ def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_pa
     assert replanned.sha256 != plan.sha256
     assert abs({s.name: s for s in replanned.stats.sources}["chat.jsonl"].planned_share - 0.6) < 0.03
 
-    # Training logs each step's trained tokens per source.
+    # Training logs each step's trained tokens per source, and its loss and token accuracy per source and per tag.
     overrides = {"train.model": "tiny-llama", "train.max_steps": 3, "train.num_threads": 1}
     trained = sft_train(config=load_config(config_path, overrides), data=state_data(tmp_path), plan=replanned)
     rows = [json.loads(line) for line in Path(trained.metrics_path).read_text().splitlines()]
@@ -76,6 +83,12 @@ def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_pa
     for row in rows:
         assert set(row["trained_tokens_by_source"]) == {"chat.jsonl", "code", "math.jsonl"}
         assert sum(row["trained_tokens_by_source"].values()) == row["trained_tokens"]
+        assert {k: v["trained_tokens"] for k, v in row["breakdown"]["source"].items()} == row[
+            "trained_tokens_by_source"
+        ]
+        tags = row["breakdown"]["tag"]
+        assert set(tags) <= {"short", "long", "(none)"} and "(none)" in tags
+        assert sum(t["trained_tokens"] for t in tags.values()) == row["trained_tokens"]
 
 
 def state_data(folder: Path):

@@ -110,3 +110,21 @@ def test_a_small_eval_sample_covers_every_source(tmp_path):
     build_index(paths[:1], tmp_path / "one", eval_fraction=0.5)
     one = IndexedDataset(tmp_path / "one", split="eval")
     assert eval_items(one, 32).tolist() == list(range(32))  # one source: the first documents, as before
+
+
+def test_per_tag_metrics_add_up_to_the_totals_and_untagged_documents_are_their_own_row():
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", vocab_size=97, packed=False, overrides=TINY)
+    docs, sources = _docs(seed=1)
+    tags = [["easy", "hard", "(none)", "hard"][i % 4] for i in range(len(docs))]
+    total = masked_metrics(model, docs, sources, tags)
+    assert sorted(total.by_tag) == ["(none)", "easy", "hard"]
+    parts = total.by_tag.values()
+    assert sum(p.loss_tokens for p in parts) == total.loss_tokens
+    assert sum(p.loss * p.loss_tokens for p in parts) / total.loss_tokens == pytest.approx(total.loss, rel=1e-6)
+    hard = masked_metrics(model, [d for d, t in zip(docs, tags, strict=True) if t == "hard"])
+    assert total.by_tag["hard"].loss == pytest.approx(hard.loss, rel=1e-6)
+    assert total.by_tag["hard"].token_accuracy == pytest.approx(hard.token_accuracy, rel=1e-6)
+    assert total.by_source == masked_metrics(model, docs, sources).by_source  # tags leave the source rows alone
+    rows = source_rows({"tuned": total}, by="tag")
+    assert rows[0] == "| tag | docs | tuned loss | tuned token acc |" and len(rows) == 5
