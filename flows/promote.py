@@ -79,4 +79,6 @@ def sft_promote(
     logger.info("sft-promote: %s; champion %s", result.decision, result.champion)
     for reason in result.reasons:
         logger.info("sft-promote: %s", reason)
+    if result.hub is not None and result.hub.ok:
+        logger.info("sft-promote: %s holds %s (%s)", result.hub.repo, result.hub.version, result.hub.url)
     return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.plan.config import PlanConfig, PlanStats
@@ -173,6 +173,39 @@ class EvalReport(Manifest):
     eval_docs: int
 
 
+class HubTarget(BaseModel):
+    """A Hugging Face Hub model repository the champion is pushed to after each gate (`promote.hub`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    repo: str = Field(description="owner/name of the model repository (created if missing)")
+    private: bool = Field(True, description="create the repository private")
+    revision: str = Field("main", description="branch the champion is committed to (created from main if missing)")
+    token_env: str = Field(
+        "HF_TOKEN", description="environment variable holding the write token (unset: the `hf auth login` token)"
+    )
+    endpoint: str | None = Field(None, description="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
+
+    @field_validator("repo")
+    @classmethod
+    def _owner_and_name(cls, value: str) -> str:
+        if value.count("/") != 1 or not all(value.split("/")):
+            raise ValueError(f"promote.hub.repo must be owner/name, got {value!r}")
+        return value
+
+
+class HubPush(BaseModel):
+    """Where the champion stands on the Hub after a gate: pushed (now or by an earlier gate), or why not."""
+
+    model_config = ConfigDict(frozen=True)
+    ok: bool
+    repo: str
+    revision: str
+    version: str | None = None  # the registry version the repository holds (or was to receive)
+    commit: str | None = None
+    url: str | None = None
+    error: str | None = None
+
+
 class PromoteConfig(BaseModel):
     """When a newly trained model replaces the champion: both are evaluated on the current eval split, and the new
     one is promoted if its masked loss is lower by at least `min_improvement` (relative) and neither its token
@@ -186,6 +219,7 @@ class PromoteConfig(BaseModel):
     max_source_regression: float | None = Field(
         None, ge=0, description="largest relative loss increase allowed on any one data source (0.01: 1%)"
     )
+    hub: HubTarget | None = Field(None, description="also push the champion to this Hub model repository")
 
 
 class PromoteResult(BaseModel):
@@ -196,3 +230,4 @@ class PromoteResult(BaseModel):
     candidate_sha256: str
     metrics: dict[str, EvalMetrics]  # "candidate" and "champion" (when there is one) on the same eval documents
     report_path: str
+    hub: HubPush | None = None  # with `promote.hub`: the Hub repository after this gate

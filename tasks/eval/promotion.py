@@ -17,6 +17,7 @@ from sftflow.tasks.core.manifests import (
     PromoteResult,
     TokenizerRef,
 )
+from sftflow.tasks.eval.hub_push import sync_champion
 from sftflow.tasks.eval.registry import Registry
 from sftflow.tasks.eval.report import source_rows
 
@@ -64,6 +65,14 @@ def report_markdown(result: PromoteResult, candidate: str, champion_before: str 
     lines = [f"# sft-promote: {result.decision}", "", *rows, "", *source_rows(result.metrics), ""]
     lines += [*[f"- {r}" for r in result.reasons], ""]
     lines.append(f"Champion now: `{result.champion}`" if result.champion else "No champion.")
+    if result.hub is not None:
+        hub = result.hub
+        where = f"`{hub.repo}` ({hub.revision})"
+        lines.append(
+            f"Hub: {where} holds {hub.version}" + (f", commit [{hub.commit}]({hub.url})" if hub.commit else "")
+            if hub.ok
+            else f"Hub: {hub.version} was not pushed to {where}: {hub.error} (the next gate retries)"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +110,8 @@ def promote(
             version = registry.publish(candidate.spec, {**card, "eval_index_sha256": index.sha256, "sha256": sha})
             registry.set_champion(version)
             now = version.name
+        # Also after a kept candidate: a champion whose push failed before is pushed now.
+        hub = sync_champion(registry, config.hub) if config.hub is not None else None
         result = PromoteResult(
             decision="promoted" if ok else ("unchanged" if unchanged else "kept"),
             reasons=reasons,
@@ -108,8 +119,10 @@ def promote(
             candidate_sha256=sha,
             metrics=metrics,
             report_path=str(out_dir / "report.md"),
+            hub=hub,
         )
-        registry.record({"decision": result.decision, "champion": now, "previous": before, "reasons": reasons})
+        entry = {"decision": result.decision, "champion": now, "previous": before, "reasons": reasons}
+        registry.record({**entry, "hub": hub.model_dump()} if hub is not None else entry)
     write_atomic(out_dir / "report.md", report_markdown(result, candidate.spec, before))
     write_atomic(out_dir / "promote.json", json.dumps(result.model_dump(), indent=2))
     return result

@@ -125,6 +125,36 @@ def test_a_stricter_rule_keeps_the_champion(setup):
     assert any("by 99.0%" in r for r in kept.reasons)
 
 
+def test_the_gate_pushes_the_champion_to_a_hub_repository_and_retries_a_failed_push(setup, monkeypatch):
+    """`promote.hub` against a local stand-in of the Hub's API: a push refused (bad token) leaves the local promotion
+    in place and says so in the report; the next gate, though it keeps the champion, pushes it."""
+    import huggingface_hub.constants
+
+    from tests.hub_standin import HubStandIn
+
+    work, _, data, models = setup
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the stand-in is on 127.0.0.1
+    with HubStandIn("hf_good") as hub:
+        hub_cfg = {"repo": "acme/sft", "endpoint": hub.url, "token_env": "SFTFLOW_TEST_HUB_TOKEN"}
+        cfg = _config(work, registry=str(work / "hub-registry"), hub=hub_cfg)
+        monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", "hf_bad")
+        first = sft_promote(config=cfg, data=data, train=_candidate(models["trained"]))
+        assert first.decision == "promoted" and first.champion == "v0001"
+        assert not first.hub.ok and "401" in first.hub.error and hub.repos == {}
+        assert "was not pushed" in Path(first.report_path).read_text()
+
+        monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", "hf_good")
+        kept = sft_promote(config=cfg, data=data, train=_candidate(models["untrained"]))
+        assert kept.decision == "kept" and kept.hub.ok and kept.hub.version == "v0001"
+        model = work / "hub-registry" / "v0001" / "model"
+        repo = hub.repos["acme/sft"]
+        assert repo.files("main") == {p.name: p.read_bytes() for p in model.iterdir()}
+        assert repo.tags["v0001"] == kept.hub.commit
+        assert f"Hub: `acme/sft` (main) holds v0001, commit [{kept.hub.commit}]" in Path(kept.report_path).read_text()
+        history = (work / "hub-registry" / "history.jsonl").read_text().splitlines()
+        assert [json.loads(line)["hub"]["ok"] for line in history] == [False, True]
+
+
 def test_a_publish_killed_midway_leaves_the_champion_in_service(setup, monkeypatch):
     """Killed after the copy and before the rename: nothing new is visible, the champion still serves, and the next
     publish removes the leftover and takes the same version number."""

@@ -1,0 +1,134 @@
+"""Pushing the champion to a Hub model repository, through the real `huggingface_hub` client against a local
+stand-in of the Hub's HTTP API: the branch holds exactly the champion's files, tagged with its version; a failed
+push is a warning that the next gate repairs; a champion already pushed is not pushed again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from sftflow.tasks.core.manifests import HubTarget
+from sftflow.tasks.eval.hub_push import STATE, sync_champion, target_key
+from sftflow.tasks.eval.registry import Registry
+from tests.hub_standin import HubStandIn
+
+TOKEN = "hf_standin_write_token"
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """The tests run with HF_HUB_OFFLINE=1 (nothing may reach the real Hub); these talk to 127.0.0.1 only."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", TOKEN)
+
+
+def _model(folder, weights: bytes, extra: str | None = None):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (folder / "model.safetensors").write_bytes(weights)
+    if extra:
+        (folder / extra).write_text("only in this version\n")
+    return folder
+
+
+def _promote(registry: Registry, folder, loss: float):
+    with registry.lock():
+        version = registry.publish(folder, {"source": {"model": str(folder)}, "eval": {"loss": loss}})
+        registry.set_champion(version)
+    return version
+
+
+def _target(hub: HubStandIn, **kw) -> HubTarget:
+    return HubTarget(repo="acme/sft-champion", endpoint=hub.url, token_env="SFTFLOW_TEST_HUB_TOKEN", **kw)
+
+
+def _sync(registry: Registry, target: HubTarget):
+    with registry.lock():
+        return sync_champion(registry, target)
+
+
+def test_the_branch_holds_exactly_the_champion_tagged_with_its_version(tmp_path, online):
+    registry = Registry(tmp_path / "registry")
+    first = _promote(registry, _model(tmp_path / "m1", b"\x01" * 300, extra="adapter_config.json"), 1.5)
+    with HubStandIn(TOKEN) as hub:
+        target = _target(hub)
+        pushed = _sync(registry, target)
+        assert pushed.ok and pushed.version == "v0001" and pushed.commit, pushed
+        repo = hub.repos["acme/sft-champion"]
+        assert repo.private
+        on_hub = repo.files("main")
+        assert on_hub == {p.name: p.read_bytes() for p in first.model_dir.iterdir()}
+        assert repo.tags["v0001"] == repo.head("main").oid == pushed.commit
+        assert "eval loss: 1.5000" in repo.head("main").description
+        state = json.loads((registry.root / STATE).read_text())
+        assert state[target_key(target)]["version"] == "v0001"
+
+        # Already there: no request at all.
+        before = len(hub.requests)
+        again = _sync(registry, target)
+        assert again.ok and again.commit == pushed.commit and len(hub.requests) == before
+
+        # A new champion replaces the files; the one only the old version had is deleted.
+        second = _promote(registry, _model(tmp_path / "m2", b"\x02" * 500), 1.2)
+        replaced = _sync(registry, target)
+        assert replaced.ok and replaced.version == "v0002" and replaced.commit != pushed.commit
+        assert repo.files("main") == {p.name: p.read_bytes() for p in second.model_dir.iterdir()}
+        assert "adapter_config.json" not in repo.files("main")
+        assert repo.tags == {"v0001": pushed.commit, "v0002": replaced.commit}
+
+
+def test_a_failed_push_is_a_warning_and_the_next_sync_pushes_the_champion(tmp_path, online, monkeypatch, capfd):
+    registry = Registry(tmp_path / "registry")
+    _promote(registry, _model(tmp_path / "m1", b"\x01" * 64), 2.0)
+    with HubStandIn(TOKEN) as hub:
+        target = _target(hub)
+        monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", "hf_wrong_token")
+        failed = _sync(registry, target)
+        assert not failed.ok and failed.version == "v0001" and "401" in failed.error, failed
+        warning = capfd.readouterr().err
+        assert "WARNING" in warning and "v0001 was not pushed to" in warning and "acme/sft-champion" in warning
+        assert registry.champion().name == "v0001"  # the local promotion stands
+        assert not (registry.root / STATE).exists() and hub.repos == {}
+
+        monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", TOKEN)
+        retried = _sync(registry, target)
+        assert retried.ok and hub.repos["acme/sft-champion"].tags["v0001"] == retried.commit
+
+
+def test_an_unreachable_hub_fails_fast_as_a_warning(tmp_path, online):
+    registry = Registry(tmp_path / "registry")
+    _promote(registry, _model(tmp_path / "m1", b"\x01" * 64), 2.0)
+    with HubStandIn(TOKEN) as hub:
+        url = hub.url
+    pushed = _sync(registry, HubTarget(repo="acme/x", endpoint=url, token_env="SFTFLOW_TEST_HUB_TOKEN"))
+    assert not pushed.ok and pushed.error
+
+
+def test_offline_mode_is_a_warning_naming_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    registry = Registry(tmp_path / "registry")
+    _promote(registry, _model(tmp_path / "m1", b"\x01" * 64), 2.0)
+    pushed = _sync(registry, HubTarget(repo="acme/x", endpoint="http://127.0.0.1:9"))
+    assert not pushed.ok and "HF_HUB_OFFLINE" in pushed.error
+
+
+def test_a_branch_other_than_main_is_created_and_main_is_left_alone(tmp_path, online):
+    registry = Registry(tmp_path / "registry")
+    version = _promote(registry, _model(tmp_path / "m1", b"\x03" * 64), 2.0)
+    with HubStandIn(TOKEN) as hub:
+        pushed = _sync(registry, _target(hub, revision="staging", private=False))
+        repo = hub.repos["acme/sft-champion"]
+        assert pushed.ok and not repo.private and repo.files("main") == {}
+        assert repo.files("staging") == {p.name: p.read_bytes() for p in version.model_dir.iterdir()}
+
+
+def test_no_champion_pushes_nothing_and_a_repo_must_be_owner_and_name(tmp_path):
+    assert sync_champion(Registry(tmp_path / "empty"), HubTarget(repo="a/b")) is None
+    with pytest.raises(ValidationError, match="owner/name"):
+        HubTarget(repo="no-owner")
