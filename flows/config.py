@@ -121,6 +121,11 @@ class PlanSection(BaseModel):
     seed: int = Field(0, ge=0)
     mode: Literal["packed", "padded", "iterative"] = "packed"
     drop_last: bool = False
+    cost_table: str | list[tuple[int, float]] | None = Field(
+        None,
+        description="measured step time per token by document length (a file from benchmarks/cost_table.py, or "
+        "[[length, time], ...]): the planner balances ranks by it instead of the a·L + b·L² estimate",
+    )
 
 
 class DemoConfig(BaseModel):
@@ -167,6 +172,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     promote = raw.get("promote") or {}
     if isinstance(promote, dict) and isinstance(promote.get("registry"), str):
         promote["registry"] = str(_relative_to(p, promote["registry"]).resolve())
+    plan = raw.get("plan") or {}
+    if isinstance(plan, dict) and isinstance(plan.get("cost_table"), str):
+        plan["cost_table"] = str(_relative_to(p, plan["cost_table"]).resolve())
     render = data.get("render") if isinstance(data, dict) else None
     train = raw.get("train")
     for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):

@@ -3,9 +3,12 @@ that the manifests (`sftflow.tasks.core.manifests`) can embed them without every
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sftflow.tasks.plan.cost import DocCost, check_points, load_points
 
 
 class SourceShare(BaseModel):
@@ -32,7 +35,9 @@ class SourceShare(BaseModel):
 class PlanConfig(BaseModel):
     """Planner settings. Cost of a document of `L` tokens is `cost_per_token·L + cost_per_token_pair·L²`;
     `cost_per_token_pair=None` means `1/tokens_per_rank`, i.e. a full-length document costs twice its
-    tokens (see `cost_coefficients_from_model` for values from a model shape).
+    tokens (see `cost_coefficients_from_model` for values from a model shape). `cost_table`, measured on the GPU
+    (`benchmarks/cost_table.py`; a file of them or the points themselves), replaces both: see
+    `sftflow.tasks.plan.cost`. A file is read here, so the plan's cache key holds the points, not the path.
     Give `micro_batches_per_step` or `target_tokens_per_step` (trainable tokens per optimizer step); neither means 1.
     `mixture`, when given, resolves each epoch's documents per source (see `sftflow.tasks.plan.mixture`); without it
     every document is planned once per epoch.
@@ -52,7 +57,17 @@ class PlanConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     cost_per_token: float = Field(1.0, ge=0)
     cost_per_token_pair: float | None = Field(None, ge=0)
+    cost_table: tuple[tuple[int, float], ...] = ()
     mixture: tuple[SourceShare, ...] = ()
+
+    @field_validator("cost_table", mode="before")
+    @classmethod
+    def _read_cost_table(cls, value):
+        if value is None:
+            return ()
+        if isinstance(value, str | Path):
+            return load_points(value)
+        return check_points(value) if value else ()
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> PlanConfig:
@@ -67,6 +82,11 @@ class PlanConfig(BaseModel):
     def cost_coefficients(self) -> tuple[float, float]:
         b = self.cost_per_token_pair if self.cost_per_token_pair is not None else 1.0 / self.tokens_per_rank
         return self.cost_per_token, b
+
+    @property
+    def doc_cost(self) -> DocCost:
+        a, b = self.cost_coefficients
+        return DocCost(a=a, b=b, table=self.cost_table)
 
 
 class SourceStats(BaseModel):

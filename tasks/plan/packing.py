@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from sftflow.tasks.plan.cost import DocCost
+
 WINDOW_ROWS = 32  # rows per LPT window: larger fills rows better, smaller runs fewer lockstep iterations
 OVER_SUPPLY = 1.25  # a window holds this many rows' worth of tokens; the excess carries to the next round
 
@@ -134,10 +136,10 @@ def padded_pack_rows(
 
 
 def row_sums(
-    lengths: np.ndarray, doc_ids: np.ndarray, row_of_doc: np.ndarray, num_rows: int, a: float, b: float, padded: bool
+    lengths: np.ndarray, doc_ids: np.ndarray, row_of_doc: np.ndarray, num_rows: int, cost: DocCost, padded: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: real tokens, compute tokens (padded: `count * max_length`) and cost `a*L + b*L^2` (padded: per padded
-    document)."""
+    """Per row: real tokens, compute tokens (padded: `count * max_length`) and the summed cost of its documents
+    (padded: each document costs what one of the row's longest does)."""
     doc_length = lengths[doc_ids].astype(np.int64)
     tokens = np.bincount(row_of_doc, weights=doc_length, minlength=num_rows).astype(np.int64)
     if padded:
@@ -145,15 +147,13 @@ def row_sums(
         longest = np.zeros(num_rows, dtype=np.int64)
         np.maximum.at(longest, row_of_doc, doc_length)
         compute = count * longest
-        cost = count * (a * longest + b * longest.astype(np.float64) ** 2)
-        return tokens, compute, cost
-    square = doc_length.astype(np.float64) ** 2
-    cost = a * tokens + b * np.bincount(row_of_doc, weights=square, minlength=num_rows)
-    return tokens, tokens.copy(), cost
+        return tokens, compute, count * cost(longest)
+    row_cost = np.bincount(row_of_doc, weights=cost(doc_length), minlength=num_rows)
+    return tokens, tokens.copy(), row_cost
 
 
 def lpt_redistribute(
-    doc_length: np.ndarray, num_rows: int, capacity: int, a: float, b: float, padded: bool
+    doc_length: np.ndarray, num_rows: int, capacity: int, doc_cost: DocCost, padded: bool
 ) -> np.ndarray | None:
     """Spread a few documents over `num_rows` rows, balancing cost: longest first, each to the cheapest row that has
     room (tokens, or `count * max_length` when `padded`). Returns each document's row, or None if one did not fit.
@@ -169,10 +169,10 @@ def lpt_redistribute(
         if padded:
             new_longest = np.maximum(longest, length)
             room = (count + 1) * new_longest <= capacity
-            new_cost = (count + 1) * (a * new_longest + b * new_longest.astype(np.float64) ** 2)
+            new_cost = (count + 1) * doc_cost(new_longest)
         else:
             room = tokens + length <= capacity
-            new_cost = cost + a * length + b * float(length) ** 2
+            new_cost = cost + doc_cost(length)
         if not room.any():
             return None
         r = int(np.argmin(np.where(room, cost, np.inf)))

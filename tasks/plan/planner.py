@@ -154,7 +154,7 @@ def _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config: PlanConfig, m
     is a row position in the epoch's step-major layout."""
     n = config.num_ranks
     per_step = n * m
-    a, b = config.cost_coefficients
+    doc_cost = config.doc_cost
     padded = config.mode == "padded"
     if config.mode == "iterative":
         full = num_rows // per_step * per_step
@@ -164,7 +164,7 @@ def _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config: PlanConfig, m
         num_slots = -(-num_rows // per_step) * per_step
         return doc_ids, slot, num_slots, np.zeros(0, dtype=np.int64)
 
-    _, _, cost = row_sums(lengths, doc_ids, row_of_doc, num_rows, a, b, padded)
+    _, _, cost = row_sums(lengths, doc_ids, row_of_doc, num_rows, doc_cost, padded)
     by_cost = np.lexsort((np.arange(num_rows), cost))  # cheapest first; row id breaks ties
     rest = num_rows % per_step
     tail_rows, body_rows = by_cost[:rest], by_cost[rest:]
@@ -186,10 +186,10 @@ def _arrange_epoch(lengths, doc_ids, row_of_doc, num_rows, config: PlanConfig, m
     if config.drop_last:
         return body_docs, body_slots, num_slots, tail_docs
     # final step: spread the tail's documents over all num_ranks × M rows, balancing cost
-    tail_row = lpt_redistribute(lengths[tail_docs].astype(np.int64), per_step, config.tokens_per_rank, a, b, padded)
+    tail_row = lpt_redistribute(lengths[tail_docs].astype(np.int64), per_step, config.tokens_per_rank, doc_cost, padded)
     if tail_row is None:  # LPT could not fit them: keep their original rows
         tail_row = np.searchsorted(np.sort(tail_rows), row_of_doc[tail_doc])
-    _, _, tail_cost = row_sums(lengths, tail_docs, tail_row, per_step, a, b, padded)
+    _, _, tail_cost = row_sums(lengths, tail_docs, tail_row, per_step, doc_cost, padded)
     tail_slot_of_row = np.empty(per_step, dtype=np.int64)
     tail_slot_of_row[np.lexsort((np.arange(per_step), tail_cost))] = np.arange(per_step)
     return (
@@ -296,10 +296,10 @@ def plan_stats(
     arrays: PlanArrays, lengths: np.ndarray, config: PlanConfig, steps_per_epoch: list[int], seconds: float
 ) -> PlanStats:
     """Efficiency and balance of a plan (compute tokens and cost count padding in `padded` mode)."""
-    a, b = config.cost_coefficients
+    doc_cost = config.doc_cost
     num_rows = len(arrays.row_ptr) - 1
     slot = np.repeat(np.arange(num_rows), np.diff(arrays.row_ptr))
-    _, compute, cost = row_sums(lengths, arrays.doc_ids, slot, num_rows, a, b, config.mode == "padded")
+    _, compute, cost = row_sums(lengths, arrays.doc_ids, slot, num_rows, doc_cost, config.mode == "padded")
     token_mean, token_p99 = _imbalance(compute, arrays.num_ranks)
     cost_mean, cost_p99 = _imbalance(cost, arrays.num_ranks)
     total = int(arrays.row_tokens.sum())
