@@ -1,5 +1,6 @@
 """The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-promote) (→ track), each stage also a flow of its
-own; `track` sends the finished run to the trackers the config names.
+own; `track` sends the finished run to the trackers the config names (its step metrics reach them while it trains,
+`sftflow.tasks.track.live`).
 
 Every stage is cached on content: a rerun with the same inputs is Cached end to end; editing the chat template
 reruns data and everything after it; changing only the learning rate reruns train and eval. `force` names stages to

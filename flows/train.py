@@ -14,6 +14,7 @@ from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_
 from sftflow.flows.run_page import record_cancelled_tasks
 from sftflow.tasks.core.fingerprint import sha256_tree
 from sftflow.tasks.core.manifests import ModelRef, PlanManifest, TrainResult
+from sftflow.tasks.track.live import live_tracker
 from sftflow.tasks.train.stage import train_stage_task
 
 
@@ -34,8 +35,10 @@ def sft_train(
         data = data or load_data_result(work)
         plan = plan or load_plan_result(work)
         task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
+        # Rank 0 writes the metrics, and one node sends them: the others would open runs of their own.
+        live = live_tracker(cfg.track, work) if cfg.train.node_rank == 0 else None
         try:
-            result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work))
+            result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work), live_track=live)
         except TerminationSignal:
             record_cancelled_tasks()
             raise

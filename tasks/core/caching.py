@@ -58,8 +58,9 @@ def stage_key(stage: str, version: str, entries: tuple[str, ...], inputs: dict[s
 
 
 # Fields that change how a task runs but not what it produces, as parameters or inside a config model. `node_rank`
-# differs between the nodes of one multi-node training run, which must share one run folder.
-_NOT_KEYED = {"timeout_s", "node_rank"}
+# differs between the nodes of one multi-node training run, which must share one run folder; `live_track` follows a
+# training run's metrics to the trackers, and another tracker must not retrain the model.
+_NOT_KEYED = {"timeout_s", "node_rank", "live_track"}
 
 
 def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,7 +40,21 @@ class TrackConfig(BaseModel):
     mlflow: MLflowTarget | None = None
     tensorboard: bool = Field(False, description="event files under WORK_DIR/tensorboard/<run>")
     wandb: WandbTarget | None = None
+    live: bool = Field(True, description="send step metrics while training runs, not only when the run ends")
+    live_every_s: float = Field(15.0, gt=0, description="seconds between two live sends of the new steps")
 
     @property
     def enabled(self) -> bool:
         return self.mlflow is not None or self.tensorboard or self.wandb is not None
+
+    def targets(self, work_dir: Path) -> dict[str, str]:
+        """Where each configured tracker sends, spelled as `track.json` and `live_track.json` record it: a run held
+        at another target is not the one this config would continue."""
+        targets = {}
+        if self.mlflow is not None:
+            targets["mlflow"] = f"{self.mlflow.uri} (experiment {self.mlflow.experiment})"
+        if self.tensorboard:
+            targets["tensorboard"] = str(work_dir / "tensorboard")
+        if self.wandb is not None:
+            targets["wandb"] = f"project {self.wandb.entity or ''}/{self.wandb.project} ({self.wandb.mode})"
+        return targets

@@ -1,6 +1,7 @@
 """One function per tracker: send a `RunRecord`, return where it went. Each imports its client only when used (the
 `track` extra: `pip install 'sftflow[track]'`), and an unreachable server is found in seconds, not after the
-clients' own minutes of retries."""
+clients' own minutes of retries. Given the run a live sender opened while training ran (`run_id`, or TensorBoard's
+log dir), each adds to that run instead of making another; the `*_steps` helpers are what both write per step."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def _missing(package: str, tracker: str) -> ImportError:
 
 
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
+def scoped_env(**values: str) -> Iterator[None]:
+    """Client settings read from the environment, for the calls inside: process-wide, so for one sender at a time
+    (the live sender has stopped before the end-of-run send starts)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -63,32 +66,54 @@ def check_reachable(uri: str) -> None:
         raise ConnectionError(f"MLflow at {uri} is not reachable ({reason})") from None
 
 
-def to_mlflow(record: RunRecord, target: MLflowTarget) -> TrackedRun:
-    check_reachable(target.uri)
+def mlflow_client(uri: str):
     try:
-        from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise _missing("mlflow", "MLflow") from None
+    return MlflowClient(tracking_uri=uri)
+
+
+def mlflow_experiment(client, name: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(name)
+
+
+def mlflow_url(target: MLflowTarget, experiment_id: str, run_id: str) -> str:
+    return f"{target.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def mlflow_steps(
+    client, run_id: str, rows: list[dict[str, float]], extra: dict[str, float] | None = None, extra_step: int = 0
+) -> None:
+    """One MLflow metric per key of each step row (and `extra` at `extra_step`), stamped with the time sent."""
     import time
 
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, value, now, row["step"]) for row in rows for key, value in row.items() if key != "step"]
+    metrics += [Metric(key, value, now, extra_step) for key, value in (extra or {}).items()]
+    for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+
+
+def to_mlflow(record: RunRecord, target: MLflowTarget, run_id: str | None = None) -> TrackedRun:
+    check_reachable(target.uri)
+    client = mlflow_client(target.uri)
+    from mlflow.entities import Param, RunTag
+
     # The client's defaults retry a failing request for minutes; the run is over, a tracker must not hold it.
-    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
-        client = MlflowClient(tracking_uri=target.uri)
-        experiment = client.get_experiment_by_name(target.experiment)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(target.experiment)
-        run = client.create_run(experiment_id, run_name=record.name, tags=record.tags)
-        run_id = run.info.run_id
+    with scoped_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
+        if run_id is None:
+            experiment_id = mlflow_experiment(client, target.experiment)
+            run_id = client.create_run(experiment_id, run_name=record.name, tags=record.tags).info.run_id
+        else:  # the run the live sender opened: its tags are set, its steps so far logged
+            experiment_id = client.get_run(run_id).info.experiment_id
         params = [Param(k, v[:6000]) for k, v in record.params.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run_id, params=params[i : i + 100])
-        now = int(time.time() * 1000)
-        metrics = [
-            Metric(key, value, now, row["step"]) for row in record.steps for key, value in row.items() if key != "step"
-        ]
-        metrics += [Metric(k, v, now, record.final_step) for k, v in record.eval_scalars().items()]
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(run_id, metrics=metrics[i : i + 1000])
+        mlflow_steps(client, run_id, record.steps, record.eval_scalars(), extra_step=record.final_step)
         client.log_dict(run_id, record.eval_rows(), "eval/metrics.json")
         for image in record.images:
             client.log_artifact(run_id, str(image), "plots")
@@ -104,7 +129,7 @@ def to_mlflow(record: RunRecord, target: MLflowTarget) -> TrackedRun:
                 logging.getLogger("sftflow.track").warning(
                     "track: mlflow holds the run but could not register its model: %s", err
                 )
-    url = f"{target.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    url = mlflow_url(target, experiment_id, run_id)
     return TrackedRun(tracker="mlflow", ok=True, run_id=run_id, url=url, model_version=version)
 
 
@@ -113,7 +138,7 @@ def register_in_mlflow(target: MLflowTarget, run_id: str, promoted_as: str) -> s
     check_reachable(target.uri)
     from mlflow.tracking import MlflowClient
 
-    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
+    with scoped_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_TIMEOUT="60"):
         return _register_champion(MlflowClient(tracking_uri=target.uri), target.registered_model, run_id, promoted_as)
 
 
@@ -132,21 +157,30 @@ def _register_champion(client, name: str, run_id: str, promoted_as: str) -> str:
     return str(version.version)
 
 
-def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:
+def tensorboard_writer(log_dir: Path):
+    """A writer of one more event file in `log_dir`: TensorBoard reads all of a folder's files as one run."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise _missing("tensorboard", "TensorBoard") from None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def tensorboard_steps(writer, rows: list[dict[str, float]]) -> None:
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                writer.add_scalar(f"train/{key}", value, row["step"])
+
+
+def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:
+    writer = tensorboard_writer(log_dir)
     import matplotlib.image
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    writer = SummaryWriter(log_dir=str(log_dir))
     try:
         writer.add_text("config", table_markdown([{"key": k, "value": v} for k, v in record.params.items()]), 0)
-        for row in record.steps:
-            for key, value in row.items():
-                if key != "step":
-                    writer.add_scalar(f"train/{key}", value, row["step"])
+        tensorboard_steps(writer, record.steps)
         for key, value in record.eval_scalars().items():
             writer.add_scalar(key, value, record.final_step)
         writer.add_text("eval", table_markdown(record.eval_rows()), record.final_step)
@@ -158,26 +192,52 @@ def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:
     return TrackedRun(tracker="tensorboard", ok=True, run_id=log_dir.name, url=str(log_dir))
 
 
-def to_wandb(record: RunRecord, target: WandbTarget, folder: Path) -> TrackedRun:
+def wandb_init(
+    target: WandbTarget,
+    folder: Path,
+    name: str,
+    tags: dict[str, str],
+    run_id: str | None = None,
+    config: dict[str, str] | None = None,
+):
+    """A W&B run, or (`run_id`) the one the live sender opened, resumed. Offline, a resumed run is another local
+    folder with the same id, which `wandb sync` uploads into that one run."""
     try:
         import wandb
     except ImportError:
         raise _missing("wandb", "Weights & Biases") from None
     folder.mkdir(parents=True, exist_ok=True)
-    with _env(WANDB_SILENT="true", WANDB_CONSOLE="off"):
-        run = wandb.init(
+    with scoped_env(WANDB_SILENT="true", WANDB_CONSOLE="off"):
+        return wandb.init(
             project=target.project,
             entity=target.entity,
             mode=target.mode,
             dir=str(folder),
-            name=record.name,
-            config=record.params,
-            tags=[f"{k}={v}"[:64] for k, v in record.tags.items() if k == "prefect.flow_run_id"],
-            notes=record.tags.get("prefect.flow_run_url"),
+            name=name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            config=config,
+            tags=[f"{k}={v}"[:64] for k, v in tags.items() if k == "prefect.flow_run_id"],
+            notes=tags.get("prefect.flow_run_url"),
         )
+
+
+def wandb_url(run, target: WandbTarget) -> str:
+    return run.url if target.mode == "online" else str(Path(run.dir).parent)
+
+
+def wandb_steps(run, rows: list[dict[str, float]]) -> None:
+    for row in rows:
+        run.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def to_wandb(record: RunRecord, target: WandbTarget, folder: Path, run_id: str | None = None) -> TrackedRun:
+    run = wandb_init(target, folder, record.name, record.tags, run_id, config=record.params)
+    import wandb  # present: wandb_init said otherwise
+
+    with scoped_env(WANDB_SILENT="true", WANDB_CONSOLE="off"):
         try:
-            for row in record.steps:
-                run.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+            wandb_steps(run, record.steps)
             run.summary.update(record.eval_scalars())
             rows = record.eval_rows()
             if rows:
@@ -185,7 +245,7 @@ def to_wandb(record: RunRecord, target: WandbTarget, folder: Path) -> TrackedRun
                 run.log({"eval/table": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
             for image in record.images:
                 run.log({f"plots/{image.stem}": wandb.Image(str(image))})
-            url = run.url if target.mode == "online" else str(Path(run.dir).parent)
+            url = wandb_url(run, target)
             run_id = run.id
         finally:
             run.finish()

@@ -5,11 +5,16 @@ it, and the other trackers still get the run. A run is sent once per tracker and
 `WORK_DIR/track/<key>/track.json` (keyed by the trained model and the eval report) records what each tracker holds
 and where, so a cached rerun of the pipeline sends nothing twice, one whose tracker was down retries that tracker
 only, and turning on another tracker sends to that one alone.
+
+Where live tracking opened a tracker run while the model trained (`sftflow.tasks.track.live`, recorded in
+`run_dir/live_track.json`), the send completes that run with what it lacks (the steps after the last one it holds,
+the config, eval, plots and model) rather than making another.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -19,6 +24,7 @@ from sftflow.tasks.core.fingerprint import sha256_json
 from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import EvalReport, PromoteResult, TrainResult
 from sftflow.tasks.track.config import TrackConfig
+from sftflow.tasks.track.live import LiveRun, read_live_runs, write_live_runs
 from sftflow.tasks.track.record import RunRecord, flatten, step_rows
 from sftflow.tasks.track.sinks import TrackedRun, register_in_mlflow, to_mlflow, to_tensorboard, to_wandb
 from sftflow.tasks.train.metrics import read_metrics
@@ -63,32 +69,43 @@ def run_record(
     )
 
 
-def send(record: RunRecord, config: TrackConfig, work_dir: Path, done: dict[str, TrackedRun]) -> list[TrackedRun]:
-    """Every configured tracker not already in `done` gets the run; a failure is a warning and a `TrackedRun` with
-    `ok=False`."""
-    targets = []
-    if config.mlflow is not None:
-        where = f"{config.mlflow.uri} (experiment {config.mlflow.experiment})"
-        targets.append(("mlflow", where, lambda: to_mlflow(record, config.mlflow)))
-    if config.tensorboard:
-        log_dir = work_dir / "tensorboard" / record.name
-        targets.append(("tensorboard", str(log_dir), lambda: to_tensorboard(record, log_dir)))
-    if config.wandb is not None:
-        where = f"project {config.wandb.entity or ''}/{config.wandb.project} ({config.wandb.mode})"
-        targets.append(("wandb", where, lambda: to_wandb(record, config.wandb, work_dir / "wandb")))
+def send(
+    record: RunRecord,
+    config: TrackConfig,
+    work_dir: Path,
+    done: dict[str, TrackedRun],
+    live: dict[str, LiveRun] | None = None,
+) -> list[TrackedRun]:
+    """Every configured tracker not already in `done` gets the run, into its open run in `live` if it has one; a
+    failure is a warning and a `TrackedRun` with `ok=False`."""
     results = []
-    for tracker, where, send_one in targets:
+    for tracker, where in config.targets(work_dir).items():
         earlier = done.get(tracker)
         if earlier is not None and earlier.ok and earlier.target == where:
             results.append(_registered_later(earlier, record, config))
             continue
+        opened = (live or {}).get(tracker)
+        if opened is not None and (opened.closed or opened.target != where):
+            opened = None  # complete, or at another target: this send is a run of its own
         try:
-            results.append(send_one().model_copy(update={"target": where}))
+            results.append(_send_one(tracker, record, config, work_dir, opened).model_copy(update={"target": where}))
         except Exception as err:  # noqa: BLE001 -- a tracker's failure must never fail the training run
             message = f"{type(err).__name__}: {err}".splitlines()[0]
             stage_logger("sftflow.track").warning("track: %s at %s did not get this run: %s", tracker, where, message)
             results.append(TrackedRun(tracker=tracker, ok=False, error=message, target=where))
     return results
+
+
+def _send_one(tracker: str, record: RunRecord, config: TrackConfig, work_dir: Path, opened: LiveRun | None):
+    run_id = None
+    if opened is not None:  # the live run: only the steps it does not hold yet
+        record = replace(record, steps=[row for row in record.steps if row["step"] > opened.sent_through])
+        run_id = opened.run_id
+    if tracker == "mlflow":
+        return to_mlflow(record, config.mlflow, run_id)
+    if tracker == "tensorboard":
+        return to_tensorboard(record, work_dir / "tensorboard" / (run_id or record.name))
+    return to_wandb(record, config.wandb, work_dir / "wandb", run_id)
 
 
 def _registered_later(done: TrackedRun, record: RunRecord, config: TrackConfig) -> TrackedRun:
@@ -124,7 +141,19 @@ def track_run(
         done = {r["tracker"]: TrackedRun(**r) for r in json.loads(state.read_text())}
     name = f"sftflow-{Path(train.run_dir).name}-{key[:8]}"
     record = run_record(run_config, train, report, name, prefect_tags(), promotion)
-    tracked = send(record, config, work_dir, done)
+    live = read_live_runs(train.run_dir)
+    tracked = send(record, config, work_dir, done, live)
+    # A live run this send completed holds the whole training run now: a later send (another eval) is a run of its
+    # own, as it would be without live tracking.
+    completed = {
+        t.tracker: live[t.tracker].model_copy(
+            update={"closed": True, "sent_through": max(train.steps, live[t.tracker].sent_through)}
+        )
+        for t in tracked
+        if t.ok and t.tracker in live and not live[t.tracker].closed and t.run_id == live[t.tracker].run_id
+    }
+    if completed:
+        write_live_runs(train.run_dir, {**live, **completed})
     # Trackers no longer configured keep their entries, so turning one off and on again sends nothing twice.
     kept = {t.tracker for t in tracked}
     state_rows = [t.model_dump() for t in tracked] + [d.model_dump() for name, d in done.items() if name not in kept]

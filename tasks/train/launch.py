@@ -12,6 +12,8 @@ without prefect, such as a bare GPU image.
 - A non-zero exit raises `TrainingFailed`, so Prefect retries fire; a retry resumes from the run's `latest`
   checkpoint (the stage task resumes whenever the run folder holds one).
 - During training a Prefect progress artifact follows `metrics.jsonl`; at the end a table artifact holds the metrics.
+- A `LiveMetrics` follower given to `train` (the pipeline's live experiment tracking) is started with the run and
+  stopped when it ends; it works from threads of its own, so nothing it waits on holds the training loop.
 
 Multi-node: run this same task on every node with the same config (a shared `out` folder on a shared filesystem,
 the same `rdzv_endpoint`/`rdzv_id`) and each node's `node_rank`; torchrun's c10d rendezvous forms one world.
@@ -28,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
 from sftflow.tasks.core.locks import exclusive
@@ -41,6 +44,16 @@ from sftflow.tasks.train.metrics import read_metrics
 WORKER_MODULE = "sftflow.tasks.train.worker"
 _KILL_GRACE_S = 10.0
 _PROGRESS_EVERY_S = 5.0
+
+
+class LiveMetrics(Protocol):
+    """Follows a run's `metrics.jsonl` while it trains, such as `sftflow.tasks.track.live.LiveTracker`. Given as an
+    object, not imported here: tracking code is then no part of the train stage's code fingerprint, so changing it
+    retrains nothing. Neither method raises, and `stop` returns within seconds."""
+
+    def start(self, run_dir: Path) -> None: ...
+
+    def stop(self, trained: bool) -> None: ...
 
 
 def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
@@ -217,8 +230,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
-    """Run (or resume) training into `config.out`; blocks until torchrun exits. Raises `TrainingFailed` on failure."""
+def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics | None = None) -> TrainResult:
+    """Run (or resume) training into `config.out`; blocks until torchrun exits. Raises `TrainingFailed` on failure.
+    `live` follows the run's metrics while it trains."""
     resume = config.resume if resume is None else resume
     run_dir = config.run_dir
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -232,10 +246,10 @@ def train(config: TrainConfig, *, resume: bool | None = None) -> TrainResult:
     # One launcher per run folder and node: a second would resume from this one's live checkpoints and interleave
     # its metrics.
     with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
-        return _launch(config, run_dir)
+        return _launch(config, run_dir, live)
 
 
-def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
+def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> TrainResult:
     plan = load_plan(config.plan)
     from sftflow.tasks.data.reader import IndexedDataset
 
@@ -279,7 +293,14 @@ def _launch(config: TrainConfig, run_dir: Path) -> TrainResult:
     progress = _Progress(run_dir / "metrics.jsonl", total, enabled=_in_prefect_run())
     user_error = run_dir / "worker-error.txt"  # `sftflow.tasks.train.worker.USER_ERROR`
     user_error.unlink(missing_ok=True)
-    code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
+    if live is not None:
+        live.start(run_dir)
+    code = None
+    try:
+        code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
+    finally:
+        if live is not None:
+            live.stop(trained=code == 0)
     if code != 0:
         if user_error.is_file():  # bad input found by a worker: one located line, and no retry can fix it
             raise ValueError(user_error.read_text())

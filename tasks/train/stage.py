@@ -17,7 +17,7 @@ from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest, TokenizerRe
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, TrainOptions
-from sftflow.tasks.train.launch import train
+from sftflow.tasks.train.launch import LiveMetrics, train
 
 # The worker runs by name (`torchrun -m`), so it is an entry of its own beside this module.
 TRAIN_CACHE = StageCache(stage="train", version="1", entries=(__name__, "sftflow.tasks.train.worker"))
@@ -41,7 +41,10 @@ def train_stage_task(
     options: TrainOptions,
     chat_template: str | None,
     work_dir: str,
+    live_track: LiveMetrics | None = None,
 ) -> TrainResult:
+    """`live_track` sends the metrics to the trackers while the run trains; it is no part of the cache key (another
+    tracker trains no new model)."""
     # Every node of a multi-node run gets the same key (`options.node_rank` is not part of it), hence one run folder.
     config = TrainConfig(
         **dict(options),
@@ -52,7 +55,7 @@ def train_stage_task(
         out=str(out_dir),
     )
     # A run that stopped part-way resumes from its latest checkpoint, whether this is a retry or a new flow run.
-    return train(config, resume=latest_checkpoint(out_dir / "checkpoints") is not None)
+    return train(config, resume=latest_checkpoint(out_dir / "checkpoints") is not None, live=live_track)
 
 
 @task(name="train", retries=2, retry_delay_seconds=10)

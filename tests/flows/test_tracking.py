@@ -1,12 +1,16 @@
 """Experiment tracking against the real things: a local `mlflow server` started and stopped here, TensorBoard event
 files read back with TensorBoard's own reader, and Weights & Biases in offline mode. A tracker that cannot be reached
-is a warning, never a failed run, and a cached rerun sends nothing twice."""
+is a warning, never a failed run, and a cached rerun sends nothing twice. Step metrics reach the trackers while the
+model trains, into the one tracker run the end of the pipeline completes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,9 +106,12 @@ def test_tensorboard_and_wandb_offline_hold_the_run(tracked):
     assert events.Scalars("eval/tuned/loss")[0].value == pytest.approx(result.eval.metrics["tuned"].loss, rel=1e-6)
     assert "loss_curve" in events.Tags()["images"]
 
+    # Offline, the live run and its resumption by the end-of-run send are two local folders of one run id.
     run_dir = Path(by_tracker["wandb"].url)
     assert run_dir.name.startswith("offline-run-")
-    records = _wandb_records(next(run_dir.glob("run-*.wandb")))
+    folders = sorted(run_dir.parent.glob(f"offline-run-*-{by_tracker['wandb'].run_id}*"))
+    assert len(folders) == 2 and run_dir in folders
+    records = [record for folder in folders for record in _wandb_records(next(folder.glob("run-*.wandb")))]
     history = [
         {item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json) for item in r.history.item}
         for r in records
@@ -120,8 +127,8 @@ def test_tensorboard_and_wandb_offline_hold_the_run(tracked):
         if item.key
     }
     assert summary["eval/tuned/loss"] == pytest.approx(result.eval.metrics["tuned"].loss)
-    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert json.loads({i.key: i.value_json for i in run.config.update}["train.max_steps"]) == "4"
+    config = {i.key: i.value_json for r in records if r.WhichOneof("record_type") == "run" for i in r.run.config.update}
+    assert json.loads(config["train.max_steps"]) == "4"  # from the end-of-run send: the live run has none yet
 
 
 def _wandb_records(path: Path) -> list:
@@ -219,3 +226,208 @@ def test_an_unreachable_tracker_is_a_warning_and_the_others_still_get_the_run(tr
     assert not mlflow_run.ok and f"MLflow at {dead} is not reachable" in mlflow_run.error
     assert tensorboard_run.ok
     assert any(f"mlflow at {dead} (experiment sftflow) did not get this run" in r.getMessage() for r in caplog.records)
+
+
+def _live_config(work: Path, uri: str) -> SFTConfig:
+    return SFTConfig.model_validate(
+        {
+            "work_dir": str(work),
+            "demo": {"records": 200},
+            "plan": {"tokens_per_rank": 512, "epochs": 3},
+            "train": {"model": "tiny-llama", "max_steps": LIVE_STEPS, "num_threads": 1},
+            "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
+            "track": {"mlflow": {"uri": uri, "experiment": "sftflow-live"}, "tensorboard": True, "live_every_s": 0.5},
+        }
+    )
+
+
+LIVE_STEPS = 30
+
+
+def _training_processes() -> list[int]:
+    """The torchrun this test process started and every process under it (its workers run in sessions of their own,
+    so its process group alone would miss them)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):  # a process that ended while being read
+                continue
+    torchrun = [
+        pid
+        for pid, ppid in parents.items()
+        if ppid == os.getpid() and b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    found = list(torchrun)
+    for pid in found:  # grows while it is walked: breadth first down the tree
+        found += [child for child, ppid in parents.items() if ppid == pid]
+    if not torchrun:
+        raise LookupError("no torchrun started by this process")
+    return found
+
+
+def _freeze_training_until_mlflow_has_its_steps(work: Path, uri: str, seen: dict) -> None:
+    """Once the first step is written, stop the training processes (SIGSTOP) so that no further step can be
+    written, wait until the MLflow server holds every step written so far, then let training go on. What MLflow
+    held while training stood still is what was sent while it ran: no timing is assumed."""
+    from mlflow.tracking import MlflowClient
+
+    from sftflow.tasks.train.metrics import read_metrics
+
+    deadline = time.monotonic() + 120
+    while not (files := list(work.glob("train/*/metrics.jsonl"))) or not read_metrics(files[0]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("training wrote no step")
+        time.sleep(0.01)
+    frozen = _training_processes()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        seen["written"] = [r["step"] for r in read_metrics(files[0])]
+        client = MlflowClient(tracking_uri=uri)
+        while True:
+            experiment = client.get_experiment_by_name("sftflow-live")
+            runs = client.search_runs([experiment.experiment_id]) if experiment else []
+            seen["runs"] = [run.info.run_id for run in runs]
+            if runs:
+                seen["held"] = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
+                seen["status"] = runs[0].info.status
+                if seen["held"] == seen["written"]:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"MLflow did not get the steps written: {seen}")
+            time.sleep(0.2)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_step_metrics_reach_mlflow_and_tensorboard_while_training_runs(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sftflow.tasks.track.live import read_live_runs
+
+    seen, errors = {}, []
+
+    def watch():
+        try:
+            _freeze_training_until_mlflow_has_its_steps(tmp_path, mlflow_server, seen)
+        except Exception as err:  # noqa: BLE001 -- reported by the test thread
+            errors.append(err)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = sft(config=_live_config(tmp_path, mlflow_server))
+    watcher.join(60)
+    assert not errors, errors
+    # While training stood at a step before its last, MLflow held every step written, in one running run.
+    assert seen["written"][-1] < LIVE_STEPS and seen["held"] == seen["written"]
+    assert len(seen["runs"]) == 1 and seen["status"] == "RUNNING"
+
+    by_tracker = {t.tracker: t for t in result.tracking}
+    assert all(t.ok for t in result.tracking), result.tracking
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("sftflow-live").experiment_id])
+    # The end of the pipeline completed that same run: each step once, the config, the eval metrics.
+    assert run.info.run_id == seen["runs"][0] == by_tracker["mlflow"].run_id and run.info.status == "FINISHED"
+    for key in ("loss", "lr", "grad_norm", "trained_tokens"):  # the breakdown's keys: the resumed test below
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == list(range(1, LIVE_STEPS + 1))
+    assert run.data.params["train.max_steps"] == str(LIVE_STEPS)
+    assert run.data.metrics["eval/tuned/loss"] == pytest.approx(result.eval.metrics["tuned"].loss)
+
+    # TensorBoard: the live writer's event file and the end's in one log dir, each step once.
+    log_dir = Path(by_tracker["tensorboard"].url)
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, LIVE_STEPS + 1))
+    assert events.Scalars("eval/tuned/loss")[0].step == LIVE_STEPS
+
+    live = read_live_runs(result.train.run_dir)
+    assert {t: (r.run_id, r.closed) for t, r in live.items()} == {
+        "mlflow": (run.info.run_id, True),
+        "tensorboard": (log_dir.name, True),
+    }
+
+
+def test_a_resumed_training_run_continues_its_live_runs(mlflow_server, tmp_path):
+    """Two attempts of one training run (the first stopped after step 3, the second resumed from the checkpoint at
+    step 2, as `metrics.jsonl` then reads) make one tracker run holding each step once."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sftflow.tasks.core.atomic import write_atomic
+    from sftflow.tasks.track.config import TrackConfig
+    from sftflow.tasks.track.live import LiveTracker, read_live_runs
+
+    config = TrackConfig.model_validate(
+        {"mlflow": {"uri": mlflow_server, "experiment": "sftflow-resumed"}, "tensorboard": True, "live_every_s": 0.2}
+    )
+    run_dir = tmp_path / "train" / "run"
+    run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
+
+    def line(step: int, attempt: int) -> str:
+        breakdown = {"source": {"chat": {"loss": 2.0 / step, "token_accuracy": 0.1 * attempt}}}
+        return json.dumps({"step": step, "loss": 1.0 / step + attempt, "lr": 1e-3, "breakdown": breakdown}) + "\n"
+
+    first = LiveTracker(config, tmp_path)
+    first.start(run_dir)
+    metrics.write_text("".join(line(step, 1) for step in (1, 2, 3)))
+    first.stop(trained=False)
+    (opened,) = [r for r in read_live_runs(run_dir).values() if r.tracker == "mlflow"]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    assert opened.sent_through == 3 and client.get_run(opened.run_id).info.status == "FAILED"
+
+    write_atomic(metrics, "".join(line(step, 1) for step in (1, 2)))  # what the resumed worker keeps
+    second = LiveTracker(config, tmp_path)
+    second.start(run_dir)
+    with metrics.open("a") as f:
+        f.write("".join(line(step, 2) for step in (3, 4, 5)))
+    second.stop(trained=True)
+
+    (run,) = client.search_runs([client.get_experiment_by_name("sftflow-resumed").experiment_id])
+    assert run.info.run_id == opened.run_id and run.info.status == "RUNNING"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    # Step 3 was sent by the first attempt; the second sends only what comes after it.
+    assert [m.step for m in history] == [1, 2, 3, 4, 5]
+    assert [m.value for m in history] == pytest.approx([1 / 1 + 1, 1 / 2 + 1, 1 / 3 + 1, 1 / 4 + 2, 1 / 5 + 2])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/source/chat/loss")] == [1, 2, 3, 4, 5]
+    live = read_live_runs(run_dir)
+    assert {t: r.sent_through for t, r in live.items()} == {"mlflow": 5, "tensorboard": 5}
+    events = EventAccumulator(live["tensorboard"].url)
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+def test_a_tracker_unreachable_live_is_one_warning_and_the_others_still_follow(tmp_path, caplog):
+    from sftflow.tasks.track.config import TrackConfig
+    from sftflow.tasks.track.live import LiveTracker, read_live_runs
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = TrackConfig.model_validate({"mlflow": {"uri": dead}, "tensorboard": True, "live_every_s": 0.1})
+    run_dir = tmp_path / "train" / "run"
+    run_dir.mkdir(parents=True)
+    tracker = LiveTracker(config, tmp_path)
+    tracker.start(run_dir)
+
+    def followed_through(step: int) -> None:  # TensorBoard's state moves on at a tick after the step is written
+        deadline = time.monotonic() + 60
+        while (
+            read_live_runs(run_dir).get("tensorboard") is None
+            or read_live_runs(run_dir)["tensorboard"].sent_through < step
+        ):
+            assert time.monotonic() < deadline, read_live_runs(run_dir)
+            time.sleep(0.05)
+
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+            f.flush()
+            followed_through(step)  # so MLflow was tried at three ticks at least
+    tracker.stop(trained=True)
+    warnings = [r.getMessage() for r in caplog.records if "is not following this run live" in r.getMessage()]
+    assert len(warnings) == 1 and f"mlflow at {dead}" in warnings[0] and "not reachable" in warnings[0]
+    assert set(read_live_runs(run_dir)) == {"tensorboard"}  # MLflow opened no run: the run's end makes one

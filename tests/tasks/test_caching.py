@@ -19,6 +19,7 @@ def test_key_follows_content_not_run_details():
     base = {"shard": _shard("a" * 64), "config": {"lr": 1e-3}, "work_dir": "w"}
     key = stage_key("train", "1", ENTRIES, base)
     assert key == stage_key("train", "1", ENTRIES, {**base, "timeout_s": 60, "node_rank": 1})
+    assert key == stage_key("train", "1", ENTRIES, {**base, "live_track": object()})  # another tracker, same model
     assert key != stage_key("train", "1", ENTRIES, {**base, "shard": _shard("b" * 64)})
     assert key != stage_key("train", "1", ENTRIES, {**base, "config": {"lr": 2e-3}})
     assert key != stage_key("train", "2", ENTRIES, base)  # a format version bump
@@ -58,3 +59,12 @@ def test_outputs_valid_detects_missing_and_changed_files(tmp_path):
     write_checksums(tmp_path)
     (tmp_path / "hf" / "model.safetensors").unlink()
     assert not outputs_valid(tmp_path)
+
+
+def test_the_train_stage_runs_no_tracking_code():
+    """Live tracking reaches training as an object (`train(live=...)`), so editing the tracking code retrains
+    nothing: no tracking module is in the train stage's code fingerprint."""
+    from sftflow.tasks.core.code_closure import import_closure
+    from sftflow.tasks.train.stage import TRAIN_CACHE
+
+    assert not [m for m in import_closure(TRAIN_CACHE.entries) if m.startswith("sftflow.tasks.track")]
