@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -84,8 +85,17 @@ class _MetricsTail:
     """The whole lines appended to `metrics.jsonl` since the last read. A resumed run rewrites the file (dropping the
     steps after its checkpoint): a new file is read again from its start."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trusted_through: int | None = None):
         self.path, self.offset, self.inode = path, 0, None
+        # A file left by an earlier attempt holds steps after the checkpoint the worker resumes from, which it
+        # drops (rewriting the file) and trains again: until then, only the steps up to that checkpoint count.
+        self.stale_inode = None
+        if trusted_through is not None:
+            try:
+                self.stale_inode = path.stat().st_ino
+            except FileNotFoundError:
+                pass
+        self.trusted_through = trusted_through or 0
 
     def read(self) -> tuple[list[dict], bool]:
         """(new records, whether the file was replaced since the last read)."""
@@ -109,7 +119,8 @@ class _MetricsTail:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     break  # cut short by a crash: the resumed run rewrites the file
-                records.append(record)
+                if stat.st_ino != self.stale_inode or record["step"] <= self.trusted_through:
+                    records.append(record)
             self.offset += len(line)
         return records, replaced
 
@@ -242,62 +253,80 @@ class _Wandb(_Channel):
         self.wandb_run.finish(exit_code=0 if trained else 1)
 
 
+@dataclass
+class _Attempt:
+    """One training attempt's follower: a retry gets a new one, so a thread an earlier `stop` gave up on (still
+    inside a slow send) keeps seeing its own stop event and abandoned flag and never writes again."""
+
+    run_dir: Path
+    stopping: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    trained: bool = False
+    abandoned: bool = False
+    thread: threading.Thread | None = None
+
+
 class LiveTracker:
     """Follows one training run's `metrics.jsonl` to the trackers from a thread of its own: `start` when the run
     starts, `stop` when it has ended. Neither raises nor waits long (at most `STOP_WAIT_S`)."""
 
     def __init__(self, config: TrackConfig, work_dir: Path):
         self.config, self.work_dir = config, work_dir
-        self._thread: threading.Thread | None = None
+        self._attempt: _Attempt | None = None
 
     def start(self, run_dir: Path) -> None:
         from sftflow.tasks.track.stage import prefect_tags  # that module reads this one's state
+        from sftflow.tasks.train.checkpoint import latest_checkpoint  # imports torch: not at the CLI's start
 
         # Taken here, in the calling task's context: the thread has none.
         self._logger = stage_logger("sftflow.track")
         self._tags = prefect_tags()
-        self._run_dir, self._stopping, self._trained = Path(run_dir), threading.Event(), False
-        self._lock, self._abandoned = threading.Lock(), False
-        self._thread = threading.Thread(target=self._follow, name="sftflow-live-track", daemon=True)
-        self._thread.start()
+        attempt = _Attempt(Path(run_dir))
+        # The worker resumes from the latest checkpoint (the stage resumes whenever there is one).
+        latest = latest_checkpoint(attempt.run_dir / "checkpoints")
+        trusted = int(latest.name.removeprefix("step-")) if latest is not None else 0
+        tail = _MetricsTail(attempt.run_dir / "metrics.jsonl", trusted_through=trusted)
+        attempt.thread = threading.Thread(target=self._follow, args=(attempt, tail), name="sftflow-live-track")
+        attempt.thread.daemon = True
+        self._attempt = attempt
+        attempt.thread.start()
 
     def stop(self, trained: bool) -> None:
-        if self._thread is None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is None or attempt.thread is None:
             return
-        self._trained = trained
-        self._stopping.set()
-        self._thread.join(STOP_WAIT_S)
-        if self._thread.is_alive():
-            with self._lock:
-                self._abandoned = True  # its state is no longer written: the end-of-run send owns it now
+        attempt.trained = trained
+        attempt.stopping.set()
+        attempt.thread.join(STOP_WAIT_S)
+        if attempt.thread.is_alive():
+            with attempt.lock:
+                attempt.abandoned = True  # its state is no longer written: the end-of-run send owns it now
             self._logger.warning(
                 "track: the last live send did not finish within %.0f s; the run's end sends what it missed",
                 STOP_WAIT_S,
             )
-        self._thread = None
 
-    def _follow(self) -> None:
+    def _follow(self, attempt: _Attempt, tail: _MetricsTail) -> None:
         try:
-            channels = self._channels()
-            tail = _MetricsTail(self._run_dir / "metrics.jsonl")
+            channels = self._channels(attempt.run_dir)
             while True:
-                stopping = self._stopping.is_set()
+                stopping = attempt.stopping.is_set()
                 records, replaced = tail.read()
                 rows = step_rows(records)
                 changed = [c.tick(rows, replaced, self._logger.warning) for c in channels]
                 if any(changed):
-                    self._save(channels)
+                    self._save(attempt, channels)
                 if stopping:  # that tick read what the finished run wrote last
                     break
-                self._stopping.wait(self.config.live_every_s)
+                attempt.stopping.wait(self.config.live_every_s)
             for channel in channels:
-                channel.close(self._trained, self._logger.warning)
+                channel.close(attempt.trained, self._logger.warning)
         except Exception as err:  # noqa: BLE001 -- live tracking never fails training; the run's end sends it
             self._logger.warning("track: live tracking stopped: %s: %s", type(err).__name__, err)
 
-    def _channels(self) -> list[_Channel]:
-        earlier = read_live_runs(self._run_dir)
-        name = f"sftflow-{self._run_dir.name}"
+    def _channels(self, run_dir: Path) -> list[_Channel]:
+        earlier = read_live_runs(run_dir)
+        name = f"sftflow-{run_dir.name}"
         channels = []
         for tracker, target in self.config.targets(self.work_dir).items():
             before = earlier.get(tracker)
@@ -314,10 +343,10 @@ class LiveTracker:
                 channels.append(_Wandb(self.config.wandb, self.work_dir / "wandb", *args))
         return channels
 
-    def _save(self, channels: list[_Channel]) -> None:
-        with self._lock:
-            if self._abandoned:
+    def _save(self, attempt: _Attempt, channels: list[_Channel]) -> None:
+        with attempt.lock:
+            if attempt.abandoned:
                 return
             # Trackers not configured now keep their entries, as in `track.json`.
-            runs = {**read_live_runs(self._run_dir), **{c.tracker: c.run for c in channels if c.run is not None}}
-            write_live_runs(self._run_dir, runs)
+            runs = {**read_live_runs(attempt.run_dir), **{c.tracker: c.run for c in channels if c.run is not None}}
+            write_live_runs(attempt.run_dir, runs)

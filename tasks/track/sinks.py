@@ -54,6 +54,11 @@ def scoped_env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def train_key(key: str) -> str:
+    """A step metric under `train/` in TensorBoard and W&B; the per-source and per-tag ones already are."""
+    return key if key.startswith("train/") else f"train/{key}"
+
+
 def check_reachable(uri: str) -> None:
     """An HTTP tracking server answers its health check within a few seconds, or `ConnectionError` says so."""
     if not uri.startswith(("http://", "https://")):
@@ -171,7 +176,7 @@ def tensorboard_steps(writer, rows: list[dict[str, float]]) -> None:
     for row in rows:
         for key, value in row.items():
             if key != "step":
-                writer.add_scalar(f"train/{key}", value, row["step"])
+                writer.add_scalar(train_key(key), value, row["step"])
 
 
 def to_tensorboard(record: RunRecord, log_dir: Path) -> TrackedRun:
@@ -228,7 +233,7 @@ def wandb_url(run, target: WandbTarget) -> str:
 
 def wandb_steps(run, rows: list[dict[str, float]]) -> None:
     for row in rows:
-        run.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+        run.log({train_key(k): v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
 def to_wandb(record: RunRecord, target: WandbTarget, folder: Path, run_id: str | None = None) -> TrackedRun:

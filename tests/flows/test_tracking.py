@@ -381,9 +381,18 @@ def test_a_resumed_training_run_continues_its_live_runs(mlflow_server, tmp_path)
     client = MlflowClient(tracking_uri=mlflow_server)
     assert opened.sent_through == 3 and client.get_run(opened.run_id).info.status == "FAILED"
 
-    write_atomic(metrics, "".join(line(step, 1) for step in (1, 2)))  # what the resumed worker keeps
+    # The first attempt went on to step 4 after its tracker stopped, and crashed; it had saved a checkpoint at 2.
+    with metrics.open("a") as f:
+        f.write(line(4, 1))
+    (run_dir / "checkpoints" / "step-2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-2" / ".metadata").write_bytes(b"")
+    (run_dir / "checkpoints" / "latest").write_text("step-2\n")
     second = LiveTracker(config, tmp_path)
-    second.start(run_dir)
+    second.start(run_dir)  # before the worker starts, as the launcher does
+    deadline = time.monotonic() + 60  # its first tick has read the old file when it has reopened the run
+    while client.get_run(opened.run_id).info.status != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    write_atomic(metrics, "".join(line(step, 1) for step in (1, 2)))  # what the resumed worker keeps
     with metrics.open("a") as f:
         f.write("".join(line(step, 2) for step in (3, 4, 5)))
     second.stop(trained=True)
@@ -391,7 +400,8 @@ def test_a_resumed_training_run_continues_its_live_runs(mlflow_server, tmp_path)
     (run,) = client.search_runs([client.get_experiment_by_name("sftflow-resumed").experiment_id])
     assert run.info.run_id == opened.run_id and run.info.status == "RUNNING"
     history = client.get_metric_history(run.info.run_id, "loss")
-    # Step 3 was sent by the first attempt; the second sends only what comes after it.
+    # Step 3 was sent by the first attempt; the second sends only what comes after it, and the crashed attempt's
+    # step 4 (after the checkpoint the worker resumed from) is never sent: the resumed run's is.
     assert [m.step for m in history] == [1, 2, 3, 4, 5]
     assert [m.value for m in history] == pytest.approx([1 / 1 + 1, 1 / 2 + 1, 1 / 3 + 1, 1 / 4 + 2, 1 / 5 + 2])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/source/chat/loss")] == [1, 2, 3, 4, 5]
@@ -400,6 +410,7 @@ def test_a_resumed_training_run_continues_its_live_runs(mlflow_server, tmp_path)
     events = EventAccumulator(live["tensorboard"].url)
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    assert [e.step for e in events.Scalars("train/source/chat/loss")] == [1, 2, 3, 4, 5]  # one train/ prefix
 
 
 def test_a_tracker_unreachable_live_is_one_warning_and_the_others_still_follow(tmp_path, caplog):
