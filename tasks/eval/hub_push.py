@@ -1,10 +1,10 @@
 """Pushing the registry's champion to a Hugging Face Hub model repository (`promote.hub`).
 
 After each gate the repository's branch is made to hold exactly the champion's model folder: one commit that adds
-its files and deletes any the previous champion had and it has not, tagged with the version name (`v0003`) so a
-user can pin it. The registry's `hub.json` records which version each repository and branch holds, so a gate that
-kept the champion pushes nothing, and a push that failed (no network, a bad token, the Hub down) is a warning: the
-local promotion stands, and the next gate pushes the champion again.
+its files and deletes any the previous champion had and it has not, tagged with the version name (`v0003`;
+`staging-v0003` on a branch `staging`) so a user can pin it. The registry's `hub.json` records which version each
+repository and branch holds, so a gate that kept the champion pushes nothing, and a push that failed (no network, a
+bad token, the Hub down) is a warning: the local promotion stands, and the next gate pushes the champion again.
 """
 
 from __future__ import annotations
@@ -30,9 +30,19 @@ def target_key(target: HubTarget) -> str:
     return f"{endpoint_of(target)}/{target.repo}@{target.revision}"
 
 
+def tag_name(version: ModelVersion, target: HubTarget) -> str:
+    """`v0003` on main; `staging-v0003` on a branch `staging`, since tags are per repository, not per branch."""
+    return version.name if target.revision == "main" else f"{target.revision}-{version.name}"
+
+
 def _state(registry: Registry) -> dict:
+    """What each target holds; an unreadable file counts as nothing pushed (the push then writes it anew)."""
     path = registry.root / STATE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        state = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def push_version(version: ModelVersion, target: HubTarget) -> HubPush:
@@ -67,7 +77,7 @@ def push_version(version: ModelVersion, target: HubTarget) -> HubPush:
         delete_patterns="*",  # the branch holds this version alone, not files left from the one before
     )
     commit = getattr(info, "oid", None)
-    api.create_tag(target.repo, tag=version.name, revision=commit or target.revision, exist_ok=True, repo_type="model")
+    api.create_tag(target.repo, tag=tag_name(version, target), revision=commit or target.revision, exist_ok=True)
     url = getattr(info, "commit_url", None) or f"{endpoint}/{target.repo}/tree/{target.revision}"
     return HubPush(ok=True, repo=target.repo, revision=target.revision, version=version.name, commit=commit, url=url)
 
@@ -79,11 +89,11 @@ def sync_champion(registry: Registry, target: HubTarget) -> HubPush | None:
     if champion is None:
         return None
     key = target_key(target)
-    state = _state(registry)
-    held = state.get(key)
-    if held and held.get("version") == champion.name and held.get("sha256") == champion.sha256:
-        return HubPush(ok=True, **{k: held.get(k) for k in ("repo", "revision", "version", "commit", "url")})
     try:
+        state = _state(registry)
+        held = state.get(key)
+        if held and held.get("version") == champion.name and held.get("sha256") == champion.sha256:
+            return HubPush(ok=True, **{k: held.get(k) for k in ("repo", "revision", "version", "commit", "url")})
         pushed = push_version(champion, target)
     except Exception as err:  # noqa: BLE001 -- the Hub's failure must not undo the local promotion
         message = f"{type(err).__name__}: {err}".splitlines()[0]
