@@ -44,6 +44,7 @@ import numpy as np
 
 from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.data.pbin import PbinFile
 
 INDEX_FORMAT_VERSION = 3
@@ -60,6 +61,8 @@ ARRAY_NAMES = (
     "eval_ids",
 )
 DROP_REASONS = ("too_long", "no_loss_tokens", "duplicate")
+MAX_TAGS = 64  # distinct tags an index keeps (see `fold_rare_tags`)
+OTHER_TAG = "(other)"
 TRAIN, EVAL = 0, 1
 _HASH_CHUNK_TOKENS = 1 << 24  # tokens converted to uint32 at a time while hashing
 
@@ -293,7 +296,26 @@ def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256
                 }
             )
     arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=_EMPTY_DTYPES[k]) for k, v in columns.items()}
-    return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in, tags=list(tags))
+    arrays["tag"], tag_names = fold_rare_tags(arrays["tag"], list(tags))
+    return _Scan(arrays, dropped, shards_meta, vocab_size, num_docs_in, tags=tag_names)
+
+
+def fold_rare_tags(tag: np.ndarray, names: list[str], limit: int = MAX_TAGS) -> tuple[np.ndarray, list[str]]:
+    """At most `limit` tags: beyond that (a `tag` field that really holds ids, say) the `limit - 1` most frequent
+    are kept, in order of first appearance, and the rest become `OTHER_TAG`, so every step's breakdown, its
+    all-reduce and the trackers stay a bounded size. A warning names how many were folded."""
+    if len(names) <= limit:
+        return tag, names
+    counts = np.bincount(tag[tag >= 0], minlength=len(names))
+    kept = np.sort(np.argsort(-counts, kind="stable")[: limit - 1])  # most frequent; ties: first appearance
+    new_position = np.full(len(names) + 1, limit - 1, dtype=np.int32)  # everything else: OTHER_TAG
+    new_position[kept] = np.arange(len(kept), dtype=np.int32)
+    new_position[-1] = -1  # untagged stays untagged
+    stage_logger("sftflow.index").warning(
+        "index: %d distinct tags (render.tag_field); the %d most frequent are kept and %d are counted as %r",
+        len(names), limit - 1, len(names) - (limit - 1), OTHER_TAG,
+    )  # fmt: skip
+    return new_position[tag], [names[i] for i in kept] + [OTHER_TAG]
 
 
 def _first_token_trained(f: PbinFile, docs: np.ndarray) -> np.ndarray:

@@ -178,7 +178,9 @@ def record_tag(record: dict[str, Any], field: str | None, source: str) -> str | 
     if value is None or value == "":
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise RecordError(source, field, f"is {type(value).__name__}; a tag is a string")
+        raise RecordError(
+            source, field, f"is {type(value).__name__}; a tag is a string (render.tag_field: null reads no tags)"
+        )
     tag = str(value)
     if len(tag) > MAX_TAG_CHARS:
         raise RecordError(source, field, f"is {len(tag)} characters long; a tag has at most {MAX_TAG_CHARS}")

@@ -30,7 +30,9 @@ def test_a_records_tag_is_rendered_kept_and_checked(tmp_path):
     assert render_record({**record, "tag": ""}, None, TEXT).tag is None
     assert render_record({k: v for k, v in record.items() if k != "tag"}, None, TEXT).tag is None
     assert render_record({**record, "kind": "x"}, None, TEXT.model_copy(update={"tag_field": "kind"})).tag == "x"
-    with pytest.raises(RecordError, match=r"data.jsonl:3: tag is list; a tag is a string"):
+    with pytest.raises(
+        RecordError, match=r"data.jsonl:3: tag is list; a tag is a string \(render.tag_field: null reads no tags\)"
+    ):
         render_record({**record, "tag": ["a"]}, None, TEXT, source="data.jsonl:3")
 
     src = tmp_path / "data.jsonl"
@@ -61,6 +63,21 @@ def test_pbin_and_index_keep_each_documents_tag(tmp_path):
     dataset = IndexedDataset(index)
     assert [dataset.tag(i) for i in range(len(dataset))] == ["x", None, "y", "y", "z", None]
     assert dataset.tag_labels(np.array([1, 4])) == [UNTAGGED, "z"]
+
+
+def test_beyond_max_tags_the_most_frequent_are_kept_and_the_rest_counted_as_other():
+    from sftflow.tasks.data.index import OTHER_TAG, fold_rare_tags
+
+    # tag 3 is the most frequent, then 0 and 5 (tie: first appearance wins over 1), the rest are rare
+    tag = np.array([0, 3, 3, 1, 3, -1, 0, 2, 4, 5, 5, 6], dtype=np.int32)
+    names = [f"t{i}" for i in range(7)]
+    folded, kept = fold_rare_tags(tag, names, limit=4)
+    assert kept == ["t0", "t3", "t5", OTHER_TAG]  # in order of first appearance
+    assert [kept[i] if i >= 0 else None for i in folded] == [
+        "t0", "t3", "t3", OTHER_TAG, "t3", None, "t0", OTHER_TAG, OTHER_TAG, "t5", "t5", OTHER_TAG
+    ]  # fmt: skip
+    same, unchanged = fold_rare_tags(tag, names, limit=7)
+    assert unchanged == names and same is tag
 
 
 def _tagged_index(folder, sources=("chat", "code"), n=48):
