@@ -6,7 +6,8 @@ of `L` tokens, at a few lengths. A table captures what the formula cannot: atten
 on short documents, sliding windows that stop the quadratic growth, activation recomputation. A document of length
 `L` then costs `L · t(L)`, with `t` interpolated linearly in `L` between the measured lengths (per-token time of the
 two-term model is linear in `L`, so the table reproduces it exactly), held constant below the shortest, and
-continued along the last segment above the longest (attention keeps growing with length).
+continued along the last segment above the longest (attention keeps growing with length; held where that
+segment falls).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class DocCost:
             lengths = np.array([p[0] for p in self.table], dtype=np.float64)
             per_token = np.array([p[1] for p in self.table], dtype=np.float64)
             t = np.interp(L, lengths, per_token)
-            slope = (per_token[-1] - per_token[-2]) / (lengths[-1] - lengths[-2])
+            # never falling: a noisy last point must not make longer documents cheaper (or negative)
+            slope = max(0.0, (per_token[-1] - per_token[-2]) / (lengths[-1] - lengths[-2]))
             t = np.where(L > lengths[-1], per_token[-1] + slope * (L - lengths[-1]), t)
             cost = L * t
         return float(cost) if cost.ndim == 0 else cost
