@@ -81,7 +81,7 @@ def send(
     results = []
     for tracker, where in config.targets(work_dir).items():
         earlier = done.get(tracker)
-        if earlier is not None and earlier.ok and earlier.target == where:
+        if earlier is not None and earlier.ok and _same_target(tracker, earlier.target, where):
             results.append(_registered_later(earlier, record, config))
             continue
         opened = (live or {}).get(tracker)
@@ -94,6 +94,14 @@ def send(
             stage_logger("sftflow.track").warning("track: %s at %s did not get this run: %s", tracker, where, message)
             results.append(TrackedRun(tracker=tracker, ok=False, error=message, target=where))
     return results
+
+
+def _same_target(tracker: str, held: str | None, where: str) -> bool:
+    """Whether a run recorded at `held` is at `where`. TensorBoard runs were once recorded by their own folder
+    under the tensorboard folder, not by the folder itself: those count as there, so nothing is sent twice."""
+    if held == where:
+        return True
+    return tracker == "tensorboard" and held is not None and Path(held).parent == Path(where)
 
 
 def _send_one(tracker: str, record: RunRecord, config: TrackConfig, work_dir: Path, opened: LiveRun | None):
