@@ -386,7 +386,8 @@ def train(
     set: Assignments = None,
 ) -> None:
     """Train with torchrun (FSDP2, packed rows, DCP checkpoints) into one run folder and export a Hugging Face
-    folder (no Prefect: `sftflow run` is the cached, retried pipeline)."""
+    folder (no Prefect: `sftflow run` is the cached, retried pipeline). With `track:` in the config, the step
+    metrics go to the trackers while it trains."""
     _quiet_defaults()
     from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import train as run_train
@@ -402,7 +403,12 @@ def train(
         tokenizer=tokenizer,
         chat_template=chat_template,
     )
-    typer.echo(run_train(config).model_dump_json(indent=2))
+    live = None
+    if cfg.track.enabled and cfg.train.node_rank == 0:  # one node sends: the others would open runs of their own
+        from sftflow.tasks.track.live import live_tracker
+
+        live = live_tracker(cfg.track, work, finish=True)
+    typer.echo(run_train(config, live=live).model_dump_json(indent=2))
 
 
 def _data_result(data: Path):

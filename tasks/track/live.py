@@ -74,11 +74,13 @@ def write_live_runs(run_dir: str | Path, runs: dict[str, LiveRun]) -> None:
     write_atomic(Path(run_dir) / LIVE_STATE, json.dumps([r.model_dump() for r in runs.values()], indent=2))
 
 
-def live_tracker(config: TrackConfig, work_dir: str | Path) -> LiveTracker | None:
-    """The live sender for a training run under `work_dir`, or None where the config tracks nothing live."""
+def live_tracker(config: TrackConfig, work_dir: str | Path, finish: bool = False) -> LiveTracker | None:
+    """The live sender for a training run under `work_dir`, or None where the config tracks nothing live. With
+    `finish` (training outside the pipeline: no eval will complete the runs) a trained run's tracker runs are
+    finished and recorded closed when training ends."""
     if not (config.enabled and config.live):
         return None
-    return LiveTracker(config, Path(work_dir))
+    return LiveTracker(config, Path(work_dir), finish=finish)
 
 
 class _MetricsTail:
@@ -166,13 +168,16 @@ class _Channel:
                 )  # fmt: skip
         return changed
 
-    def close(self, trained: bool, warn) -> None:
+    def close(self, trained: bool, finish: bool, warn) -> None:
         if self.run is None:
             return
         try:
-            self._close(trained)
+            self._close(trained, finish)
         except Exception as err:  # noqa: BLE001 -- as for any live failure: the run's end completes the run
             warn("track: %s could not close its live run: %s", self.tracker, f"{type(err).__name__}: {err}")
+            return
+        if trained and finish:
+            self.run = self.run.model_copy(update={"closed": True})
 
     def _open(self, run_id: str | None) -> tuple[str, str]:
         raise NotImplementedError
@@ -180,7 +185,7 @@ class _Channel:
     def _send(self, rows: list[dict[str, float]]) -> None:
         raise NotImplementedError
 
-    def _close(self, trained: bool) -> None:
+    def _close(self, trained: bool, finish: bool) -> None:
         raise NotImplementedError
 
 
@@ -208,11 +213,11 @@ class _MLflow(_Channel):
         with scoped_env(**_MLFLOW_ENV):
             mlflow_steps(self.client, self.run.run_id, rows)
 
-    def _close(self, trained):
-        # A trained run stays RUNNING until the end-of-run send adds its eval and finishes it.
-        if not trained:
+    def _close(self, trained, finish):
+        # In the pipeline a trained run stays RUNNING until the end-of-run send adds its eval and finishes it.
+        if not trained or finish:
             with scoped_env(**_MLFLOW_ENV):
-                self.client.set_terminated(self.run.run_id, status="FAILED")
+                self.client.set_terminated(self.run.run_id, status="FINISHED" if trained else "FAILED")
 
 
 class _TensorBoard(_Channel):
@@ -231,7 +236,7 @@ class _TensorBoard(_Channel):
         tensorboard_steps(self.writer, rows)
         self.writer.flush()  # now, not after the writer's two minutes: this is what TensorBoard shows
 
-    def _close(self, trained):
+    def _close(self, trained, finish):
         self.writer.close()
 
 
@@ -249,7 +254,7 @@ class _Wandb(_Channel):
     def _send(self, rows):
         wandb_steps(self.wandb_run, rows)
 
-    def _close(self, trained):
+    def _close(self, trained, finish):
         self.wandb_run.finish(exit_code=0 if trained else 1)
 
 
@@ -270,8 +275,8 @@ class LiveTracker:
     """Follows one training run's `metrics.jsonl` to the trackers from a thread of its own: `start` when the run
     starts, `stop` when it has ended. Neither raises nor waits long (at most `STOP_WAIT_S`)."""
 
-    def __init__(self, config: TrackConfig, work_dir: Path):
-        self.config, self.work_dir = config, work_dir
+    def __init__(self, config: TrackConfig, work_dir: Path, finish: bool = False):
+        self.config, self.work_dir, self.finish = config, work_dir, finish
         self._attempt: _Attempt | None = None
 
     def start(self, run_dir: Path) -> None:
@@ -320,7 +325,9 @@ class LiveTracker:
                     break
                 attempt.stopping.wait(self.config.live_every_s)
             for channel in channels:
-                channel.close(attempt.trained, self._logger.warning)
+                channel.close(attempt.trained, self.finish, self._logger.warning)
+            if attempt.trained and self.finish:
+                self._save(attempt, channels)  # recorded closed: nothing will complete them
         except Exception as err:  # noqa: BLE001 -- live tracking never fails training; the run's end sends it
             self._logger.warning("track: live tracking stopped: %s: %s", type(err).__name__, err)
 

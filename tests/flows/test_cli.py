@@ -41,9 +41,25 @@ def pipeline(tmp_path_factory):
     plan = run_cli("plan", "--config", str(config), "--num-ranks", "2", "--stats")
     train = run_cli(
         "train", "--config", str(config), "--nproc", "2", "--max-steps", "2", "--checkpoint-every", "1",
-        "--lr", "1e-3", "--set", "train.keep_last=3",
+        "--lr", "1e-3", "--set", "train.keep_last=3", "--set", "track.tensorboard=true",
+        "--set", "track.live_every_s=0.5",
     )  # fmt: skip
     return dict(root=root, config=config, work=work, empty=empty, data=data, plan=plan, train=train)
+
+
+@pytest.mark.slow
+def test_train_with_track_in_the_config_sends_the_steps_and_finishes_the_run(pipeline):
+    """`sftflow train` with `track:` set (here `--set track.tensorboard=true`): no pipeline will add an eval, so
+    the live run is finished and recorded closed when training ends."""
+    pytest.importorskip("tensorboard", reason="needs the track extra (tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert pipeline["train"].returncode == 0, pipeline["train"].stderr[-3000:]
+    (live,) = json.loads((pipeline["work"] / "run" / "live_track.json").read_text())
+    assert live["tracker"] == "tensorboard" and live["sent_through"] == 2 and live["closed"]
+    events = EventAccumulator(live["url"])
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
 
 
 @pytest.mark.slow  # builds the pipeline fixture: data, plan and a training run through the CLI
