@@ -125,19 +125,26 @@ def build_index_one(folder):
     return folder
 
 
-@pytest.fixture(scope="module")
-def tagged_runs(tmp_path_factory, tiny_tokenizer_dir):
-    root = tmp_path_factory.mktemp("breakdown")
+def _tagged_training(root, tokenizer_dir, num_ranks: int, tokens_per_rank: int, **train):
+    """Tagged data from two sources, its plan, and a training config over them (`train` overrides)."""
     dataset = _tagged_index(root / "data", n=96)
-    arrays, _ = plan(
-        dataset.lengths, dataset.trainable_target_counts(), PlanConfig(num_ranks=2, tokens_per_rank=128, seed=0)
-    )
+    config = PlanConfig(num_ranks=num_ranks, tokens_per_rank=tokens_per_rank, seed=0)
+    arrays, _ = plan(dataset.lengths, dataset.trainable_target_counts(), config)
     (root / "plan").mkdir()
     save_plan(arrays, root / "plan" / "plan.npz")
     base = TrainConfig(
-        data=str(root / "data"), plan=str(root / "plan"), model="tiny-llama", tokenizer=str(tiny_tokenizer_dir),
-        out=str(root / "unused"), lr=1e-2, seed=0, num_threads=1, device="cpu", export=False, max_steps=4,
+        data=str(root / "data"), plan=str(root / "plan"), model="tiny-llama", tokenizer=str(tokenizer_dir),
+        out=str(root / "unused"), lr=1e-2, seed=0, export=False, **train,
     )  # fmt: skip
+    return dataset, arrays, base
+
+
+@pytest.fixture(scope="module")
+def tagged_runs(tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("breakdown")
+    dataset, arrays, base = _tagged_training(
+        root, tiny_tokenizer_dir, num_ranks=2, tokens_per_rank=128, num_threads=1, device="cpu", max_steps=4
+    )
     one = run(base, root / "one", nproc=1)
     two = run(base, root / "two", nproc=2)
     return dataset, arrays, metrics(one.run_dir), metrics(two.run_dir)
@@ -153,17 +160,9 @@ def test_the_breakdown_on_one_gpu_adds_up_as_on_cpu(tmp_path, tiny_tokenizer_dir
     """The one-GPU path (bf16, compiled layers, the Triton fused loss with row stats) on the same tagged data."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    dataset = _tagged_index(tmp_path / "data", n=96)
-    arrays, _ = plan(
-        dataset.lengths, dataset.trainable_target_counts(), PlanConfig(num_ranks=1, tokens_per_rank=256, seed=0)
+    dataset, arrays, base = _tagged_training(
+        tmp_path, tiny_tokenizer_dir, num_ranks=1, tokens_per_rank=256, device="cuda", max_steps=6
     )
-    (tmp_path / "plan").mkdir()
-    save_plan(arrays, tmp_path / "plan" / "plan.npz")
-    base = TrainConfig(
-        data=str(tmp_path / "data"), plan=str(tmp_path / "plan"), model="tiny-llama",
-        tokenizer=str(tiny_tokenizer_dir), out=str(tmp_path / "unused"), lr=1e-2, seed=0, device="cuda",
-        export=False, max_steps=6,
-    )  # fmt: skip
     result = run(base, tmp_path / "gpu", nproc=1)
     rows = metrics(result.run_dir)
     assert len(rows) == 6
