@@ -13,7 +13,7 @@ segment falls).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,20 @@ class DocCost:
     a: float = 1.0
     b: float = 0.0
     table: CostPoints = ()
+    # the table as arrays, and the slope above its longest length: made once, since the tail's LPT spread calls
+    # this once per document
+    _lengths: np.ndarray = field(init=False, repr=False, compare=False)
+    _per_token: np.ndarray = field(init=False, repr=False, compare=False)
+    _slope: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        lengths = np.array([p[0] for p in self.table], dtype=np.float64)
+        per_token = np.array([p[1] for p in self.table], dtype=np.float64)
+        # never falling: a noisy last point must not make longer documents cheaper (or negative)
+        slope = max(0.0, (per_token[-1] - per_token[-2]) / (lengths[-1] - lengths[-2])) if len(lengths) > 1 else 0.0
+        object.__setattr__(self, "_lengths", lengths)
+        object.__setattr__(self, "_per_token", per_token)
+        object.__setattr__(self, "_slope", slope)
 
     def __call__(self, length):
         """Cost of documents of `length` tokens (an int or an array of them), in the table's units or the model's."""
@@ -33,12 +47,9 @@ class DocCost:
         if not self.table:
             cost = self.a * L + self.b * L * L
         else:
-            lengths = np.array([p[0] for p in self.table], dtype=np.float64)
-            per_token = np.array([p[1] for p in self.table], dtype=np.float64)
+            lengths, per_token = self._lengths, self._per_token
             t = np.interp(L, lengths, per_token)
-            # never falling: a noisy last point must not make longer documents cheaper (or negative)
-            slope = max(0.0, (per_token[-1] - per_token[-2]) / (lengths[-1] - lengths[-2]))
-            t = np.where(L > lengths[-1], per_token[-1] + slope * (L - lengths[-1]), t)
+            t = np.where(L > lengths[-1], per_token[-1] + self._slope * (L - lengths[-1]), t)
             cost = L * t
         return float(cost) if cost.ndim == 0 else cost
 
