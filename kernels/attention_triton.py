@@ -100,14 +100,15 @@ def _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 @triton.jit
 def _kv_scores(
-    q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale, u_lo, u_hi,
+    q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The key block at n0: its K and V tiles and the scaled scores q k^T (base 2), -inf where not visible."""
+    """The key block at n0: its K and V tiles and the raw scores q k^T, -inf where not visible (callers fold the
+    base-2 softmax scale into their exp2 argument: one fused multiply-add per score)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k = _tile(k_ptr, offs_n, stride_kt, k_off, offs_d, d_ok, T, EVEN_D)
     v = _tile(v_ptr, offs_n, stride_vt, v_off, offs_d, d_ok, T, EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if (n0 < u_lo) | (n0 >= u_hi):  # on the diagonal or across a document boundary
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -160,14 +161,14 @@ def _fwd_kernel(
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
-            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale,
-            u_lo, u_hi, BLOCK_N, EVEN_D, PRECISION,
+            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
+            BLOCK_N, EVEN_D, PRECISION,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
@@ -231,13 +232,13 @@ def _bwd_dq_kernel(
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
-            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, qk_scale,
-            u_lo, u_hi, BLOCK_N, EVEN_D, PRECISION,
+            q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
+            BLOCK_N, EVEN_D, PRECISION,
         )  # fmt: skip
-        p = tl.exp2(s - lse[:, None])
+        p = tl.exp2(s * qk_scale - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     tl.store(
         dq_ptr + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
         (dq * scale).to(dq_ptr.dtype.element_ty),
@@ -309,16 +310,16 @@ def _bwd_dkdv_kernel(
             do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
             lse = tl.load(lse_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             delta = tl.load(delta_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-            p_t = tl.exp2(s_t - lse[None, :])
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+            p_t = tl.exp2(s_t * qk_scale - lse[None, :])
             if (m0 < u_lo) | (m0 >= u_hi):  # on the diagonal or across a document boundary
                 start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=offs_m < T, other=T), offs_m - WINDOW + 1)
                 visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
                 p_t = tl.where(visible, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
     tl.store(
         dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
