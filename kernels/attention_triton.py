@@ -69,6 +69,20 @@ CONFIGS = {
         "dq": _cfg(128, 32, 2, "row", 8),
     },
 }
+# Rows whose longest document has at least LONG_DOC tokens: that document holds nearly all of the row's attention work
+# (an 8192-token document does 14x the work of 8192 tokens of 600-token ones), and few of its blocks are masked, so
+# deeper tiles pay off there where they waste work on the diagonals of short documents.
+LONG_DOC = 8192
+_LONG_64 = {"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(32, 128, 3, "row"), "dq": _cfg(128, 64, 3, "lpt")}
+_LONG_128 = {"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(64, 128, 3, "lpt", 8), "dq": _cfg(128, 64, 3, "lpt", 8)}
+CONFIGS_LONG = {
+    (64, False): _LONG_64,
+    (64, True): _LONG_64,
+    (128, False): _LONG_128,
+    (128, True): _LONG_128,
+    (256, False): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _cfg(32, 64, 2, "lpt", 8), "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, True): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _cfg(32, 64, 2, "lpt", 8), "dq": _cfg(128, 32, 2, "row", 8)},
+}
 SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
 
 
@@ -357,10 +371,11 @@ def _bwd_delta_kernel(
     tl.store(delta_ptr + h * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < T)
 
 
-def _configs(D: int, gqa: bool, device: torch.device) -> dict:
+def _configs(D: int, gqa: bool, device: torch.device, long_docs: bool) -> dict:
     if device.type != "cuda":
         return {part: SMALL_CONFIG for part in ("fwd", "dkdv", "dq")}
-    return CONFIGS.get((D, gqa)) or CONFIGS[(64 if D < 64 else 128 if D <= 128 else 256, gqa)]
+    table = CONFIGS_LONG if long_docs else CONFIGS
+    return table.get((D, gqa)) or table[(64 if D < 64 else 128 if D <= 128 else 256, gqa)]
 
 
 def _launch(cfg: dict) -> tuple[str, dict]:
@@ -438,10 +453,10 @@ def row_layout(cu_seqlens: torch.Tensor, total: int) -> RowLayout:
     return layout
 
 
-def resolve_config(D: int, gqa: bool, device: torch.device, override: dict | None = None) -> dict:
-    """The block shapes and program orders used for head dim D ({"fwd", "dkdv", "dq"} -> kernel config), with
-    `override`'s entries (per part, partial) on top."""
-    base = _configs(D, gqa, device)
+def resolve_config(D: int, gqa: bool, device: torch.device, override: dict | None = None, max_seqlen: int = 0) -> dict:
+    """The block shapes and program orders used for head dim D ({"fwd", "dkdv", "dq"} -> kernel config) on a row
+    whose longest document has `max_seqlen` tokens, with `override`'s entries (per part, partial) on top."""
+    base = _configs(D, gqa, device, max_seqlen >= LONG_DOC)
     override = override or {}
     unknown = set(override) - set(base)
     if unknown:
@@ -574,17 +589,24 @@ class _VarlenAttention(torch.autograd.Function):
 # transposing copy of ~2.4 ms per 1B-model step on an H200.) Block shapes come from `resolve_config`.
 @torch.library.custom_op("sftflow::varlen_attention", mutates_args=())
 def varlen_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for q (T, H, D), k and v (T, K, D) with stride 1 in D, and int32 `cu_seqlens` on their device.
-    `window`: each query sees at most this many keys, itself included (`NO_WINDOW`: its whole document so far)."""
+    `max_seqlen` (the longest document) picks the block shapes; `window`: each query sees at most this many keys,
+    itself included (`NO_WINDOW`: its whole document so far)."""
     T, H, D = q.shape
-    config = resolve_config(D, H != k.shape[1], q.device)
+    config = resolve_config(D, H != k.shape[1], q.device, max_seqlen=max_seqlen)
     return _attention_forward(q, k, v, row_layout(cu_seqlens, T), scale, config, window)
 
 
 @varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens, scale, window):
+def _(q, k, v, cu_seqlens, max_seqlen, scale, window):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -597,30 +619,33 @@ def varlen_attention_backward_op(
     o: torch.Tensor,
     lse: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    max_seqlen: int,
     scale: float,
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, H, D = q.shape
-    config = resolve_config(D, H != k.shape[1], q.device)
+    config = resolve_config(D, H != k.shape[1], q.device, max_seqlen=max_seqlen)
     return _attention_backward(do, q, k, v, o, lse, row_layout(cu_seqlens, T), scale, config, window)
 
 
 @varlen_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens, scale, window):
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale, window = inputs
+    q, k, v, cu_seqlens, max_seqlen, scale, window = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.scale, ctx.window = scale, window
+    ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward_op(grad_o, q, k, v, o, lse, cu_seqlens, ctx.scale, ctx.window)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = varlen_attention_backward_op(
+        grad_o, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.scale, ctx.window
+    )
+    return dq, dk, dv, None, None, None, None
 
 
 varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -652,6 +677,6 @@ def triton_varlen_attention(
     if window < 1:
         raise ValueError(f"window={window}: a query must see at least itself")
     if config is None:
-        return varlen_attention_op(q, k, v, cu.to(torch.int32), scale, window)[0]
-    config = resolve_config(D, H != k.shape[1], q.device, config)
+        return varlen_attention_op(q, k, v, cu.to(torch.int32), int(max_seqlen), scale, window)[0]
+    config = resolve_config(D, H != k.shape[1], q.device, config, max_seqlen=int(max_seqlen))
     return _VarlenAttention.apply(q, k, v, row_layout(cu, T), scale, config, window)

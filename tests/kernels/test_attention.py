@@ -217,6 +217,38 @@ def test_triton_bf16_on_gpu(D, group, window):
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [None, 300])
+def test_triton_long_document_tiles_bf16_on_gpu(D, group, window):
+    """The deeper tiles used for rows of long documents, forced onto a short row so that the fp64 reference stays
+    small: the same kernels with other block shapes, masks and program orders."""
+    from sftflow.kernels.attention_triton import CONFIGS_LONG, triton_varlen_attention
+
+    doc_lengths = [700, 1, 129, 64, 2000, 37]
+    H = 8
+    q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
+    config = CONFIGS_LONG[(D, group > 1)]
+    o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
+
+
+@needs_triton
+def test_rows_of_long_documents_get_the_deeper_tiles():
+    """The longest document picks the table: from LONG_DOC tokens on, the long-document shapes."""
+    from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, LONG_DOC, resolve_config
+
+    cuda = torch.device("cuda")
+    assert resolve_config(128, True, cuda, max_seqlen=LONG_DOC - 1) == CONFIGS[(128, True)]
+    assert resolve_config(128, True, cuda, max_seqlen=LONG_DOC) == CONFIGS_LONG[(128, True)]
+    assert (
+        resolve_config(64, False, cuda, max_seqlen=65536)["fwd"]["BLOCK_M"]
+        == CONFIGS_LONG[(64, False)]["fwd"]["BLOCK_M"]
+    )
+    assert CONFIGS_LONG[(128, True)] != CONFIGS[(128, True)]
+
+
 @needs_triton
 def test_row_layout_orders_blocks_heaviest_first_and_is_reused():
     from sftflow.kernels.attention_triton import row_layout
@@ -299,10 +331,10 @@ def test_attention_op_passes_opcheck_and_compiles_without_a_graph_break(device):
     T, H, K, D = 40, 4, 2, 16
     q, k, v = (torch.randn(T, n, D, generator=g).to(device).requires_grad_() for n in (H, K, K))
     cu = torch.tensor([0, 13, 14, T], dtype=torch.int32, device=device)
-    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 0.25, 9))
+    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 26, 0.25, 9))
 
     def attend(q, k, v):
-        return varlen_attention_op(q, k, v, cu, 0.25, 9)[0]
+        return varlen_attention_op(q, k, v, cu, 26, 0.25, 9)[0]
 
     expected = varlen_attention(q, k, v, cu, 26, 0.25, window=9, backend="sdpa")
     want = torch.autograd.grad(expected.square().sum(), (q, k, v))
