@@ -1,9 +1,12 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--variants triton torch flex] [--sweep] [--out results.md]
+    python benchmarks/attention.py [--docs packed|long] [--variants triton torch flex] [--sweep] [--out results.md]
 
-One packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1, clipped to [16, 4096]; the last
-document is cut to fill the row), bf16, shapes (H=32, D=64) and (H=16, D=128), each with K=H and K=H/4.
+`--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
+clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
+documents, lognormal (median 16384, sigma 0.7, clipped to [8192, 65536]; the last one cut to fill the row, and kept
+at 8192 or more by merging it into the one before). bf16, shapes (H=32, D=64) and (H=16, D=128), each with K=H and
+K=H/4, and (H=16, K=8, D=256) for long documents.
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
@@ -26,14 +29,23 @@ from sftflow.kernels.attention import varlen_attention
 from sftflow.kernels.attention_triton import triton_varlen_attention
 
 SHAPES = [(32, 32, 64), (32, 8, 64), (16, 16, 128), (16, 4, 128)]  # (H, K, D)
+LONG_SHAPES = [(32, 8, 64), (16, 16, 128), (16, 4, 128), (16, 8, 256)]
+DOCS = {  # name: (default T, lognormal median, sigma, shortest, longest)
+    "packed": (16384, 600, 1.0, 16, 4096),
+    "long": (65536, 16384, 0.7, 8192, 65536),
+}
 
 
-def doc_lengths(total: int, seed: int = 0) -> list[int]:
+def doc_lengths(total: int, seed: int = 0, docs: str = "packed") -> list[int]:
+    _, median, sigma, shortest, longest = DOCS[docs]
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
     while sum(lengths) < total:
-        lengths.append(int(np.clip(rng.lognormal(np.log(600), 1.0), 16, 4096)))
+        lengths.append(int(np.clip(rng.lognormal(np.log(median), sigma), shortest, longest)))
     lengths[-1] -= sum(lengths) - total
+    if docs == "long" and len(lengths) > 1 and lengths[-1] < shortest:
+        last = lengths.pop()
+        lengths[-1] += last
     return lengths
 
 
@@ -71,15 +83,19 @@ def flex_fn(lengths, T, H, K):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--T", type=int, default=16384)
+    parser.add_argument("--docs", choices=sorted(DOCS), default="packed")
+    parser.add_argument("--T", type=int, default=None, help="row length (default: 16384 packed, 65536 long)")
     parser.add_argument("--variants", nargs="+", default=["triton", "torch"])
     parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at every shape")
     parser.add_argument("--shapes", default=None, help="H,K,D[;H,K,D...]: only these shapes (default: all four)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
-    T = args.T
-    lengths = doc_lengths(T)
+    default_shapes = LONG_SHAPES if args.docs == "long" else SHAPES
+    shapes = (
+        default_shapes if args.shapes is None else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    )
+    T = args.T or DOCS[args.docs][0]
+    lengths = doc_lengths(T, docs=args.docs)
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device="cuda")
     max_len = max(lengths)
     sum_l2 = float(sum(length**2 for length in lengths))
@@ -119,8 +135,10 @@ def main() -> None:
     base = {(r[0], r[1], r[2]): r for r in rows if r[3] == "torch"}
     now = datetime.date.today().isoformat()
     lines = [
-        f"### Varlen causal attention, T={T} packed, {len(lengths)} docs (lognormal median 600, sigma 1, "
-        f"[16, 4096]), bf16 ({now}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"### Varlen causal attention, T={T} {args.docs}, {len(lengths)} docs (lognormal median "
+        f"{DOCS[args.docs][1]}, sigma {DOCS[args.docs][2]}, [{DOCS[args.docs][3]}, {DOCS[args.docs][4]}]; "
+        f"longest {sorted(lengths, reverse=True)[:6]}), bf16 ({now}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, "
         f"triton {triton.__version__}, python {platform.python_version()}; bf16 matmul {rate:.0f} TFLOP/s)",
         "",
         "| H | K | D | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | × torch (fwd+bwd) | "
@@ -144,11 +162,11 @@ def main() -> None:
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     """Coordinate descent over each kernel's block shape, then each kernel's program order, timing fwd+bwd."""
-    from sftflow.kernels.attention_triton import resolve_config
+    from sftflow.kernels.attention_triton import LONG_DOC, resolve_config
 
     scale = D**-0.5
     H, K = q.shape[1], k.shape[1]
-    current = resolve_config(D, H != K, q.device)
+    current = resolve_config(D, H != K, q.device, max_seqlen=max_len)
     grids = {
         "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (32, 64, 4, 3)],
         "dkdv": [
@@ -167,6 +185,29 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
         "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)],
     }
 
+    if max_len >= LONG_DOC and D <= 128:  # long documents: few masked blocks, so deeper tiles (Hopper's wgmma)
+        grids = {
+            "fwd": [
+                (64, 64, 4, 3),
+                (128, 64, 4, 3),
+                (128, 64, 8, 3),
+                (128, 128, 8, 3),
+                (128, 128, 8, 2),
+                (128, 32, 4, 4),
+                (64, 128, 4, 3),
+            ],
+            "dkdv": [
+                (32, 64, 4, 3),
+                (64, 64, 4, 3),
+                (32, 128, 4, 3),
+                (32, 128, 8, 3),
+                (64, 128, 8, 3),
+                (64, 128, 8, 2),
+                (128, 128, 8, 2),
+                (64, 64, 8, 3),
+            ],
+            "dq": [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+        }
     if D > 128:  # shallower tiles: the D=128 grid's deep ones do not fit shared memory at D=256
         grids = {
             "fwd": [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 3), (128, 32, 8, 2)],
