@@ -209,13 +209,22 @@ def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, o
             signal.signal(signal.SIGTERM, previous)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS has one (a container or `taskset` limit), which
+    `os.cpu_count()` ignores, so workers would start one OpenMP thread per host core and fight over the few allowed."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
 def _worker_env(config: TrainConfig) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     if config.num_threads is not None:  # the config's count wins: the run's float summation order depends on it
         env["OMP_NUM_THREADS"] = str(config.num_threads)
     else:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // config.nproc)))
     if config.device == "cpu" or config.device == "auto" and not _cuda_available():
         # OpenMP's default spin-waiting collapses a CPU worker on a busy machine: a thread spins at each of the
         # step's ~1000 small parallel regions while its partner waits for a core, so the demo ran 30x slower for a

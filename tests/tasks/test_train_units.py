@@ -293,3 +293,20 @@ def test_cpu_workers_sleep_rather_than_spin_unless_told(monkeypatch):
     assert "OMP_WAIT_POLICY" not in _worker_env(cpu.model_copy(update={"device": "cuda"}))
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert _worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_worker_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    """Without a thread count anywhere, each worker gets its share of the CPUs in the process's affinity mask (a
+    container's limit), not of the host's cores."""
+    import os
+
+    from sftflow.tasks.train import launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    cpu = _config(device="cpu", num_threads=None, nproc=2)
+    assert launch.usable_cpus() == 4
+    assert launch._worker_env(cpu)["OMP_NUM_THREADS"] == "2"
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # no affinity API: the CPU count
+    assert launch._worker_env(cpu)["OMP_NUM_THREADS"] == "32"
