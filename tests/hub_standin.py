@@ -107,6 +107,14 @@ class HubStandIn:
         if method == "GET" and op == "revision":
             head = repo.head(rev)
             return 200, {"id": repo_id, "sha": head.oid if head else None, "private": repo.private, "siblings": []}
+        if method == "GET" and op == "refs":
+            branches = [
+                {"name": name, "ref": f"refs/heads/{name}", "targetCommit": commits[-1].oid}
+                for name, commits in repo.branches.items()
+                if commits
+            ]
+            tags = [{"name": tag, "ref": f"refs/tags/{tag}", "targetCommit": oid} for tag, oid in repo.tags.items()]
+            return 200, {"branches": branches, "tags": tags, "converts": []}
         if method == "GET" and op == "tree":
             files = repo.files(rev) if rev in repo.branches else {}
             return 200, [{"type": "file", "path": p, "oid": _blob_oid(d), "size": len(d)} for p, d in files.items()]

@@ -204,6 +204,7 @@ class HubPush(BaseModel):
     commit: str | None = None
     url: str | None = None
     error: str | None = None
+    tag: str | None = None  # the tag naming `commit`; None when that name already tagged another commit
 
 
 class PromoteConfig(BaseModel):

@@ -77,9 +77,29 @@ def push_version(version: ModelVersion, target: HubTarget) -> HubPush:
         delete_patterns="*",  # the branch holds this version alone, not files left from the one before
     )
     commit = getattr(info, "oid", None)
-    api.create_tag(target.repo, tag=tag_name(version, target), revision=commit or target.revision, exist_ok=True)
+    tag = _tag_commit(api, target, tag_name(version, target), commit)
     url = getattr(info, "commit_url", None) or f"{endpoint}/{target.repo}/tree/{target.revision}"
-    return HubPush(ok=True, repo=target.repo, revision=target.revision, version=version.name, commit=commit, url=url)
+    return HubPush(
+        ok=True, repo=target.repo, revision=target.revision, version=version.name, commit=commit, url=url, tag=tag
+    )
+
+
+def _tag_commit(api, target: HubTarget, tag: str, commit: str | None) -> str | None:
+    """Tag `commit` as `tag`, and return the tag; None, with a warning, when the name already tags another commit.
+    A registry started afresh (its folder deleted) numbers from v0001 again, and moving a published tag would hand
+    whoever pinned it another model, so the old tag stays and this commit goes untagged."""
+    api.create_tag(target.repo, tag=tag, revision=commit or target.revision, exist_ok=True)
+    if commit is None:
+        return tag
+    held = {ref.name: ref.target_commit for ref in api.list_repo_refs(target.repo).tags}.get(tag)
+    if held is None or held == commit:
+        return tag
+    stage_logger("sftflow.promote").warning(
+        "promote: tag %s in %s already names commit %s, not this champion's %s (was the registry started afresh?); "
+        "the tag is left as it is and this commit is untagged: pin it by its commit id",
+        tag, target.repo, held[:12], commit[:12],
+    )  # fmt: skip
+    return None
 
 
 def sync_champion(registry: Registry, target: HubTarget) -> HubPush | None:
@@ -93,7 +113,8 @@ def sync_champion(registry: Registry, target: HubTarget) -> HubPush | None:
         state = _state(registry)
         held = state.get(key)
         if held and held.get("version") == champion.name and held.get("sha256") == champion.sha256:
-            return HubPush(ok=True, **{k: held.get(k) for k in ("repo", "revision", "version", "commit", "url")})
+            fields = {k: held.get(k) for k in ("repo", "revision", "version", "commit", "url")}
+            return HubPush(ok=True, tag=held.get("tag", tag_name(champion, target)), **fields)
         pushed = push_version(champion, target)
     except Exception as err:  # noqa: BLE001 -- the Hub's failure must not undo the local promotion
         message = f"{type(err).__name__}: {err}".splitlines()[0]

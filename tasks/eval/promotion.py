@@ -68,8 +68,11 @@ def report_markdown(result: PromoteResult, candidate: str, champion_before: str 
     if result.hub is not None:
         hub = result.hub
         where = f"`{hub.repo}` ({hub.revision})"
+        untagged = "; untagged: its version's tag already names another commit" if hub.commit and not hub.tag else ""
         lines.append(
-            f"Hub: {where} holds {hub.version}" + (f", commit [{hub.commit}]({hub.url})" if hub.commit else "")
+            f"Hub: {where} holds {hub.version}"
+            + (f", commit [{hub.commit}]({hub.url})" if hub.commit else "")
+            + untagged
             if hub.ok
             else f"Hub: {hub.version} was not pushed to {where}: {hub.error} (the next gate retries)"
         )

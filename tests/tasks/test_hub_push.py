@@ -82,6 +82,36 @@ def test_the_branch_holds_exactly_the_champion_tagged_with_its_version(tmp_path,
         assert repo.tags == {"v0001": pushed.commit, "v0002": replaced.commit}
 
 
+def test_a_registry_started_afresh_never_moves_a_published_tag(tmp_path, online, caplog):
+    """A new registry numbers from v0001 again: its champion reaches the branch, but the tag v0001 keeps naming the
+    commit whoever pinned it got, with a warning, and the push records the commit as untagged."""
+    with HubStandIn(TOKEN) as hub:
+        target = _target(hub)
+        old = Registry(tmp_path / "old-registry")
+        _promote(old, _model(tmp_path / "m1", b"\x01" * 300), 1.5)
+        first = _sync(old, target)
+        assert first.ok and first.tag == "v0001"
+        fresh = Registry(tmp_path / "new-registry")
+        second_model = _promote(fresh, _model(tmp_path / "m2", b"\x02" * 400), 1.1)
+        assert second_model.name == "v0001"
+        logger = logging.getLogger("sftflow.promote")  # outside a Prefect run the stage logs here
+        logger.addHandler(caplog.handler)
+        try:
+            second = _sync(fresh, target)
+        finally:
+            logger.removeHandler(caplog.handler)
+        repo = hub.repos["acme/sft-champion"]
+        assert second.ok and second.commit == repo.head("main").oid != first.commit
+        assert repo.files("main") == {p.name: p.read_bytes() for p in second_model.model_dir.iterdir()}
+        assert repo.tags == {"v0001": first.commit}  # not moved
+        assert second.tag is None
+        assert "tag v0001 in acme/sft-champion already names commit" in caplog.text
+        # Recorded as pushed: the next gate with the same champion sends nothing and still reports it untagged.
+        before = len(hub.requests)
+        again = _sync(fresh, target)
+        assert again.ok and again.tag is None and len(hub.requests) == before
+
+
 def test_a_failed_push_is_a_warning_and_the_next_sync_pushes_the_champion(tmp_path, online, monkeypatch, caplog):
     registry = Registry(tmp_path / "registry")
     _promote(registry, _model(tmp_path / "m1", b"\x01" * 64), 2.0)
@@ -139,3 +169,18 @@ def test_no_champion_pushes_nothing_and_a_repo_must_be_owner_and_name(tmp_path):
     assert sync_champion(Registry(tmp_path / "empty"), HubTarget(repo="a/b")) is None
     with pytest.raises(ValidationError, match="owner/name"):
         HubTarget(repo="no-owner")
+
+
+def test_the_gate_report_says_when_the_champion_went_untagged():
+    from sftflow.tasks.core.manifests import HubPush, PromoteResult
+    from sftflow.tasks.eval.promotion import report_markdown
+
+    hub = HubPush(ok=True, repo="acme/x", revision="main", version="v0001", commit="c0ffee", url="u", tag="v0001")
+    result = PromoteResult(
+        decision="promoted", reasons=[], champion="v0001", candidate_sha256="s", metrics={}, report_path="r", hub=hub
+    )
+    assert "holds v0001, commit [c0ffee](u)\n" in report_markdown(result, "candidate", None)
+    untagged = result.model_copy(update={"hub": hub.model_copy(update={"tag": None})})
+    assert "commit [c0ffee](u); untagged: its version's tag already names another commit" in report_markdown(
+        untagged, "candidate", None
+    )
