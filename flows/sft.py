@@ -65,7 +65,7 @@ def sft(
         data = sft_data(config=cfg, force="data" in force)
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
         with progress_in_parent_log():
-            trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan)
+            trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan, end_tracking=False)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
         promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
         tracking = []

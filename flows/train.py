@@ -27,8 +27,11 @@ def sft_train(
     force: bool = False,
     data: DataResult | None = None,
     plan: PlanManifest | None = None,
+    end_tracking: bool = True,
 ) -> TrainResult:
-    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages."""
+    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages.
+    `end_tracking`: finish the live tracker runs when training ends, as no evaluation follows in this flow alone (a
+    later `sft` run's evaluation still goes into them); the `sft` pipeline passes False, its evaluation ends them."""
     cfg = resolve_config(config_path, config, learning_rate=learning_rate, max_steps=max_steps)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work, cfg.train.node_rank):
@@ -36,7 +39,7 @@ def sft_train(
         plan = plan or load_plan_result(work)
         task = train_stage_task.with_options(retries=cfg.train_retries, refresh_cache=force)
         # Rank 0 writes the metrics, and one node sends them: the others would open runs of their own.
-        live = live_tracker(cfg.track, work) if cfg.train.node_rank == 0 else None
+        live = live_tracker(cfg.track, work, end_runs=end_tracking) if cfg.train.node_rank == 0 else None
         try:
             result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work), live_track=live)
         except TerminationSignal:

@@ -74,13 +74,16 @@ def write_live_runs(run_dir: str | Path, runs: dict[str, LiveRun]) -> None:
     write_atomic(Path(run_dir) / LIVE_STATE, json.dumps([r.model_dump() for r in runs.values()], indent=2))
 
 
-def live_tracker(config: TrackConfig, work_dir: str | Path, finish: bool = False) -> LiveTracker | None:
+def live_tracker(
+    config: TrackConfig, work_dir: str | Path, finish: bool = False, end_runs: bool = False
+) -> LiveTracker | None:
     """The live sender for a training run under `work_dir`, or None where the config tracks nothing live. With
     `finish` (training outside the pipeline: no eval will complete the runs) a trained run's tracker runs are
-    finished and recorded closed when training ends."""
+    finished and recorded closed when training ends. With `end_runs` (the train flow on its own, which a later
+    pipeline run may evaluate) they are finished but stay open to that evaluation's send."""
     if not (config.enabled and config.live):
         return None
-    return LiveTracker(config, Path(work_dir), finish=finish)
+    return LiveTracker(config, Path(work_dir), finish=finish, end_runs=end_runs)
 
 
 class _MetricsTail:
@@ -168,11 +171,12 @@ class _Channel:
                 )  # fmt: skip
         return changed
 
-    def close(self, trained: bool, finish: bool, warn) -> None:
+    def close(self, trained: bool, finish: bool, warn, end: bool = False) -> None:
+        """End the live run: `finish` also records it complete; `end` finishes it in the tracker only."""
         if self.run is None:
             return
         try:
-            self._close(trained, finish)
+            self._close(trained, finish or end)
         except Exception as err:  # noqa: BLE001 -- as for any live failure: the run's end completes the run
             warn("track: %s could not close its live run: %s", self.tracker, f"{type(err).__name__}: {err}")
             return
@@ -275,8 +279,8 @@ class LiveTracker:
     """Follows one training run's `metrics.jsonl` to the trackers from a thread of its own: `start` when the run
     starts, `stop` when it has ended. Neither raises nor waits long (at most `STOP_WAIT_S`)."""
 
-    def __init__(self, config: TrackConfig, work_dir: Path, finish: bool = False):
-        self.config, self.work_dir, self.finish = config, work_dir, finish
+    def __init__(self, config: TrackConfig, work_dir: Path, finish: bool = False, end_runs: bool = False):
+        self.config, self.work_dir, self.finish, self.end_runs = config, work_dir, finish, end_runs
         self._attempt: _Attempt | None = None
 
     def start(self, run_dir: Path) -> None:
@@ -325,7 +329,7 @@ class LiveTracker:
                     break
                 attempt.stopping.wait(self.config.live_every_s)
             for channel in channels:
-                channel.close(attempt.trained, self.finish, self._logger.warning)
+                channel.close(attempt.trained, self.finish, self._logger.warning, end=self.end_runs)
             if attempt.trained and self.finish:
                 self._save(attempt, channels)  # recorded closed: nothing will complete them
         except Exception as err:  # noqa: BLE001 -- live tracking never fails training; the run's end sends it

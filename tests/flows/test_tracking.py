@@ -413,6 +413,46 @@ def test_a_resumed_training_run_continues_its_live_runs(mlflow_server, tmp_path)
     assert [e.step for e in events.Scalars("train/source/chat/loss")] == [1, 2, 3, 4, 5]  # one train/ prefix
 
 
+def test_training_alone_finishes_its_mlflow_run_and_a_later_pipeline_run_completes_that_run(mlflow_server, tmp_path):
+    """`sft-train` on its own (the `sft-train/rerun` deployment) has no evaluation to wait for: its MLflow run is
+    FINISHED when training ends. A later `sft` run finds the model Cached and sends its evaluation into that same
+    run, without a second run or a step sent twice."""
+    from mlflow.tracking import MlflowClient
+
+    from sftflow.flows.data import sft_data
+    from sftflow.flows.plan import sft_plan
+    from sftflow.flows.train import sft_train
+    from sftflow.tasks.track.live import read_live_runs
+
+    cfg = SFTConfig.model_validate(
+        {
+            "work_dir": str(tmp_path),
+            "demo": {"records": 120},
+            "plan": {"tokens_per_rank": 512},
+            "train": {"model": "tiny-llama", "max_steps": 4, "num_threads": 1},
+            "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
+            "track": {"mlflow": {"uri": mlflow_server, "experiment": "sftflow-alone"}, "live_every_s": 0.5},
+        }
+    )
+    sft_data(config=cfg)
+    sft_plan(config=cfg)
+    trained = sft_train(config=cfg)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment_id = client.get_experiment_by_name("sftflow-alone").experiment_id
+    (alone,) = client.search_runs([experiment_id])
+    assert alone.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(alone.info.run_id, "loss")] == [1, 2, 3, 4]
+    live = read_live_runs(trained.run_dir)["mlflow"]
+    assert (live.run_id, live.closed) == (alone.info.run_id, False)  # open to a later evaluation
+
+    result = sft(config=cfg)
+    assert result.train.run_dir == trained.run_dir  # Cached: not trained again
+    (run,) = client.search_runs([experiment_id])
+    assert run.info.run_id == alone.info.run_id and run.info.status == "FINISHED"
+    assert run.data.metrics["eval/tuned/loss"] == pytest.approx(result.eval.metrics["tuned"].loss)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+
+
 def test_a_tracker_unreachable_live_is_one_warning_and_the_others_still_follow(tmp_path, caplog):
     from sftflow.tasks.track.config import TrackConfig
     from sftflow.tasks.track.live import LiveTracker, read_live_runs
