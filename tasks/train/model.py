@@ -318,6 +318,20 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     return total, total - embed + (embed if tied else 0)
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal attention), as the model applies it: by `layer_types`
+    where the config has them (Qwen2/3, Gemma 3, SmolLM3), else `sliding_window` on every layer (Mistral, Phi-3).
+    For FLOP counts; `tests/tasks/test_families.py` holds it to the windows the layers hand the attention."""
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if window else None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return [window] * config.num_hidden_layers
+
+
 def attention_width(config) -> int:
     """Query heads x head dim: the width of the attention matmuls (FLOP estimates)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -57,6 +57,7 @@ from sftflow.tasks.train.model import (
     build_training_model,
     count_params,
     decoder_layers,
+    layer_windows,
     model_batch,
 )
 from sftflow.tasks.train.quantize import export_state_dict, quantize_base
@@ -148,12 +149,46 @@ def lr_factor(step: int, c: cfg.ScheduleConfig) -> float:
     return 1.0 - (1 - c.min_lr_ratio) * progress
 
 
+@dataclass(frozen=True)
+class AttentionSpan:
+    """How much of causal attention's L**2 a document of L tokens costs, averaged over the layers: `windowed` of
+    them see at most `window` keys per query, which is 2*L*W - W**2 in the same units once L > W (full causal
+    attention's L*(L+1)/2 query-key pairs, doubled). Without windows it is L**2: the MFU's attention term."""
+
+    windowed: float = 0.0  # the share of layers with a window
+    window: int | None = None
+
+    @classmethod
+    def of(cls, windows: list[int | None]) -> AttentionSpan:
+        sizes = {w for w in windows if w is not None}
+        if not sizes:
+            return cls()
+        if len(sizes) > 1:  # one window size per model in every family here; the largest bounds the others
+            sizes = {max(sizes)}
+        return cls(windowed=sum(w is not None for w in windows) / len(windows), window=sizes.pop())
+
+    def cost(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Sum over documents of their attention cost in L**2 units (`lengths` fp64)."""
+        full = (lengths**2).sum()
+        if self.window is None:
+            return full
+        w = float(self.window)
+        windowed = torch.where(lengths > w, 2 * lengths * w - w * w, lengths**2).sum()
+        return (1 - self.windowed) * full + self.windowed * windowed
+
+
 def forward_backward(
-    model, batches: list[dict], step_loss_tokens: int, device: torch.device, num_cells: int = 0
+    model,
+    batches: list[dict],
+    step_loss_tokens: int,
+    device: torch.device,
+    num_cells: int = 0,
+    span: AttentionSpan = AttentionSpan(),
 ) -> torch.Tensor:
     """Accumulate the gradients of `sum(token losses) / step_loss_tokens` over this rank's micro-batches.
 
-    Returns this rank's fp64 `[loss sum, trained targets, tokens, sum of doc_length**2]` for the step's metrics,
+    Returns this rank's fp64 `[loss sum, trained targets, tokens, attention cost (span.cost: sum of doc_length**2
+    without windows)]` for the step's metrics,
     followed, with `num_cells` (the batches carry `loss_row_cells`), by the flat `(3, num_cells)` breakdown table.
     A micro-batch without trained targets still runs forward and backward (the loss is a graph-connected zero), so
     FSDP's collectives stay in step across ranks.
@@ -173,7 +208,7 @@ def forward_backward(
         if cells is not None:
             add_cells(table, cells, model.last_row_stats)
         lengths = batch["doc_lengths"].double()
-        counts += torch.stack([torch.tensor(float(batch["num_loss_tokens"])), lengths.sum(), (lengths**2).sum()])
+        counts += torch.stack([torch.tensor(float(batch["num_loss_tokens"])), lengths.sum(), span.cost(lengths)])
     # Pinned and non-blocking: a plain copy to the GPU would wait for the whole backward before the optimizer is
     # queued, and the GPU would idle while the host queues it.
     counts = counts.pin_memory() if device.type == "cuda" else counts
@@ -233,6 +268,7 @@ def train_step(
     after_backward=None,
     host_work=None,
     num_cells: int = 0,
+    span: AttentionSpan = AttentionSpan(),
 ) -> StepTotals:
     """The training step, as the worker runs it (and `benchmarks/train_throughput.py` times it): forward and
     backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals.
@@ -241,7 +277,7 @@ def train_step(
     next step's micro-batches overlaps the device's backward and optimizer instead of leaving the device idle."""
     # The labelled ranges show where the host spends each step in a profiler trace (~1 us each when not profiling).
     with record_function("sftflow.forward_backward"):
-        local = forward_backward(model, batches, step_loss_tokens, device, num_cells)
+        local = forward_backward(model, batches, step_loss_tokens, device, num_cells, span)
     if after_backward is not None:
         after_backward()
     with record_function("sftflow.optimizer"):
@@ -339,6 +375,7 @@ class Run:
     tokenizer_path: str | None
     source_tokens: tuple[list[str], object] | None = None  # per-step trained targets by data source, if several
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
+    span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
 
 
 def build_run(run_dir: Path) -> Run:
@@ -431,6 +468,7 @@ def build_run(run_dir: Path) -> Run:
         scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
         tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
+        span=AttentionSpan.of(layer_windows(lm.config)),
     )  # fmt: skip
 
 
@@ -455,6 +493,7 @@ def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None
         save_grads,
         host_work=partial(run.prefetch.collate, step + 1),
         num_cells=num_cells,
+        span=run.span,
     )
 
 

@@ -120,6 +120,28 @@ def test_a_dropped_window_would_be_caught(tmp_path):
     assert rel_err(without_window, torch.tensor(want)) > 1e-4
 
 
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_layer_windows_are_the_windows_the_layers_attend_with(name, tmp_path, monkeypatch):
+    """The per-layer windows the MFU's attention FLOPs assume (`layer_windows`, from the config) are the ones each
+    decoder layer hands the packed attention in a forward pass."""
+    from sftflow.tasks.train import model as model_module
+    from sftflow.tasks.train.model import layer_windows
+
+    folder = save_family_model(name, VOCAB, tmp_path / name)
+    seen = []
+    attend = model_module.varlen_attention
+
+    def recording(q, k, v, cu_seqlens, max_seqlen, scale=None, window=None, **kw):
+        seen.append(window)
+        return attend(q, k, v, cu_seqlens, max_seqlen, scale, window, **kw)
+
+    monkeypatch.setattr(model_module, "varlen_attention", recording)
+    lm = build_model(str(folder), vocab_size=VOCAB, packed=True)
+    with torch.no_grad():
+        CausalLMLoss(lm)(**model_batch(collate(make_docs(), packed_collator()), torch.device("cpu"), VOCAB))
+    assert seen == layer_windows(lm.config), (seen, layer_windows(lm.config))
+
+
 def test_every_listed_config_is_a_supported_family():
     for name in FAMILY_CONFIGS:
         config = family_config(name, VOCAB)

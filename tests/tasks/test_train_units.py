@@ -310,3 +310,23 @@ def test_worker_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     assert launch._worker_env(cpu)["OMP_NUM_THREADS"] == "2"
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # no affinity API: the CPU count
     assert launch._worker_env(cpu)["OMP_NUM_THREADS"] == "32"
+
+
+def test_attention_cost_counts_only_the_keys_inside_a_window():
+    """The MFU's attention term in full causal attention's L**2 units: L**2 for a document inside the window,
+    2*L*W - W**2 past it (each query sees W keys), weighted by the share of windowed layers."""
+    from sftflow.tasks.train.worker import AttentionSpan
+
+    lengths = torch.tensor([3.0, 10.0], dtype=torch.float64)
+    assert AttentionSpan().cost(lengths).item() == 9 + 100
+    assert AttentionSpan.of([None, None]) == AttentionSpan()
+    every = AttentionSpan.of([4, 4])
+    assert (every.windowed, every.window) == (1.0, 4)
+    assert every.cost(lengths).item() == 9 + (2 * 10 * 4 - 16)
+    half = AttentionSpan.of([None, 4, None, 4])  # Gemma-style interleaving
+    assert half.cost(lengths).item() == pytest.approx(0.5 * 109 + 0.5 * 73)
+    # Against the query-key pairs a window keeps, counted one by one (L**2 ~ twice the causal pairs).
+    for length, window in ((1000, 100), (300, 1000)):
+        pairs = sum(min(i + 1, window) for i in range(length))
+        got = AttentionSpan.of([window]).cost(torch.tensor([float(length)], dtype=torch.float64)).item()
+        assert got == pytest.approx(2 * pairs, rel=0.01)
