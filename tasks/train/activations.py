@@ -22,15 +22,16 @@ from torch import nn
 log = logging.getLogger("sftflow.train")
 
 
-def needs_checkpointing(config, row_tokens: int, trained_params: int, frozen_params: int, free_bytes: int) -> bool:
+def needs_checkpointing(config, row_tokens: int, trained_params: int, frozen_bytes: float, free_bytes: int) -> bool:
     """Whether activations of a `row_tokens` row likely exceed what is left of `free_bytes` (a GPU's memory) after
     weights (2 bytes), fp32 masters and AdamW moments (12 bytes) and gradients (4 bytes) of the trained parameters,
-    and bf16 frozen ones. The estimate, per token and layer, is the bf16 tensors a Llama-style layer keeps for its
-    backward: ~10 hidden-sized (norm inputs, q, k, v, attention output, residuals) and ~4 intermediate-sized (gate,
-    up, activation, product); it is rough, and `activation_checkpointing: full|off` overrides it."""
+    and the frozen weights as held (`frozen_bytes`: 2 per bf16 weight, ~0.52 per NF4 one). The estimate, per token
+    and layer, is the bf16 tensors a Llama-style layer keeps for its backward: ~10 hidden-sized (norm inputs, q, k, v,
+    attention output, residuals) and ~4 intermediate-sized (gate, up, activation, product); it is rough, and
+    `activation_checkpointing: full|off` overrides it."""
     hidden, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     per_token = 2 * (10 * hidden + 4 * inter) * config.num_hidden_layers
-    state = 18 * trained_params + 2 * frozen_params
+    state = 18 * trained_params + frozen_bytes
     return row_tokens * per_token > 0.8 * (free_bytes - state)
 
 
@@ -56,13 +57,13 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
 
 
 def resolve_activation_checkpointing(
-    mode: str, device: torch.device, config, row_tokens: int, trained_params: int, frozen_params: int
+    mode: str, device: torch.device, config, row_tokens: int, trained_params: int, frozen_bytes: float
 ) -> str:
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "off"
     free, _ = torch.cuda.mem_get_info(device)
-    chosen = "full" if needs_checkpointing(config, row_tokens, trained_params, frozen_params, free) else "off"
+    chosen = "full" if needs_checkpointing(config, row_tokens, trained_params, frozen_bytes, free) else "off"
     log.info("activation checkpointing auto: %s for rows of %d tokens", chosen, row_tokens)
     return chosen

@@ -73,6 +73,19 @@ def nf4_refusal(config, *, cuda: bool, bitsandbytes: bool) -> str | None:
     return None
 
 
+# NF4 with double quantisation: 4 bits a weight, an 8-bit absmax per block of 64, an fp32 scale per 256 blocks.
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def frozen_weight_bytes(lm: nn.Module, quantize: str) -> float:
+    """Bytes the frozen weights will take on the device: 2 per weight in bf16, NF4's per quantised linear."""
+    frozen = sum(p.numel() for p in lm.parameters() if not p.requires_grad)
+    if quantize != "nf4":
+        return 2.0 * frozen
+    quantised = sum(lm.get_submodule(name).weight.numel() for name in frozen_linear_names(lm))
+    return 2.0 * (frozen - quantised) + NF4_BYTES_PER_WEIGHT * quantised
+
+
 def frozen_linear_names(lm: nn.Module) -> list[str]:
     """The modules QLoRA quantises: every frozen `nn.Linear` but the LM head (a LoRA-wrapped projection's
     `base_layer`, or a linear no adapter targets)."""

@@ -60,7 +60,7 @@ from sftflow.tasks.train.model import (
     layer_windows,
     model_batch,
 )
-from sftflow.tasks.train.quantize import export_state_dict, quantize_base
+from sftflow.tasks.train.quantize import export_state_dict, frozen_weight_bytes, quantize_base
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
@@ -414,7 +414,7 @@ def build_run(run_dir: Path) -> Run:
     trained = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, trained,
-        sum(p.numel() for p in lm.parameters()) - trained,
+        frozen_weight_bytes(lm, config.quantize),
     )  # fmt: skip
     apply_activation_checkpointing(decoder_layers(lm), checkpointing)
     optim_c = cfg.optim_config(config)

@@ -79,4 +79,26 @@ def test_auto_turns_it_on_when_a_row_would_not_fit():
     assert needs_checkpointing(llama8b, 16384, 8_000_000_000, 0, h200)  # full fine-tuning: the state alone is ~144 GB
     assert not needs_checkpointing(llama1b, 16384, 1_240_000_000, 0, h200)
     assert needs_checkpointing(llama1b, 131072, 1_240_000_000, 0, h200)  # 128k-token rows
-    assert not needs_checkpointing(llama8b, 4096, 40_000_000, 8_000_000_000, h200)  # LoRA: a bf16 frozen base
+    assert not needs_checkpointing(llama8b, 4096, 40_000_000, 2 * 8_000_000_000, h200)  # LoRA: a bf16 frozen base
+    # 16k rows of an 8B LoRA: over the line with the base in bf16, under it with the base in NF4 (QLoRA).
+    assert needs_checkpointing(llama8b, 16384, 40_000_000, 2 * 8_000_000_000, h200)
+    assert not needs_checkpointing(llama8b, 16384, 40_000_000, 0.52 * 7_000_000_000 + 2 * 1_000_000_000, h200)
+
+
+def test_frozen_weights_count_at_the_bytes_they_are_held_in():
+    """bf16: 2 bytes each; QLoRA: NF4's ~0.52 for the frozen linears it quantises (not the head or the embeddings)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftflow.tasks.train.quantize import NF4_BYTES_PER_WEIGHT, frozen_linear_names, frozen_weight_bytes
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100
+    )
+    lm = AutoModelForCausalLM.from_config(config)
+    lm.requires_grad_(False)
+    total = sum(p.numel() for p in lm.parameters())
+    linears = sum(lm.get_submodule(n).weight.numel() for n in frozen_linear_names(lm))
+    assert 0 < linears < total - lm.get_output_embeddings().weight.numel()
+    assert frozen_weight_bytes(lm, "none") == 2 * total
+    assert frozen_weight_bytes(lm, "nf4") == pytest.approx(2 * (total - linears) + NF4_BYTES_PER_WEIGHT * linears)
+    assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
