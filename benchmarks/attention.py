@@ -5,8 +5,8 @@
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
 documents, lognormal (median 16384, sigma 0.7, clipped to [8192, 65536]; the last one cut to fill the row, and kept
-at 8192 or more by merging it into the one before). bf16, shapes (H=32, D=64) and (H=16, D=128), each with K=H and
-K=H/4, and (H=16, K=8, D=256) for long documents.
+at 8192 or more by merging it into the one before). bf16; (H, K, D) shapes: packed (32, 32, 64), (32, 8, 64),
+(16, 16, 128), (16, 4, 128); long (32, 8, 64), (16, 16, 128), (16, 4, 128), (16, 8, 256).
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
