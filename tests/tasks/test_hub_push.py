@@ -47,9 +47,17 @@ def _target(hub: HubStandIn, **kw) -> HubTarget:
     return HubTarget(repo="acme/sft-champion", endpoint=hub.url, token_env="SFTFLOW_TEST_HUB_TOKEN", **kw)
 
 
-def _sync(registry: Registry, target: HubTarget):
-    with registry.lock():
-        return sync_champion(registry, target)
+def _sync(registry: Registry, target: HubTarget, caplog=None):
+    """`sync_champion` under the registry's lock; with `caplog`, capturing the stage's warnings."""
+    logger = logging.getLogger("sftflow.promote")  # outside a Prefect run the stage logs here
+    if caplog is not None:
+        logger.addHandler(caplog.handler)
+    try:
+        with registry.lock():
+            return sync_champion(registry, target)
+    finally:
+        if caplog is not None:
+            logger.removeHandler(caplog.handler)
 
 
 def test_the_branch_holds_exactly_the_champion_tagged_with_its_version(tmp_path, online):
@@ -94,12 +102,7 @@ def test_a_registry_started_afresh_never_moves_a_published_tag(tmp_path, online,
         fresh = Registry(tmp_path / "new-registry")
         second_model = _promote(fresh, _model(tmp_path / "m2", b"\x02" * 400), 1.1)
         assert second_model.name == "v0001"
-        logger = logging.getLogger("sftflow.promote")  # outside a Prefect run the stage logs here
-        logger.addHandler(caplog.handler)
-        try:
-            second = _sync(fresh, target)
-        finally:
-            logger.removeHandler(caplog.handler)
+        second = _sync(fresh, target, caplog)
         repo = hub.repos["acme/sft-champion"]
         assert second.ok and second.commit == repo.head("main").oid != first.commit
         assert repo.files("main") == {p.name: p.read_bytes() for p in second_model.model_dir.iterdir()}
@@ -118,12 +121,7 @@ def test_a_failed_push_is_a_warning_and_the_next_sync_pushes_the_champion(tmp_pa
     with HubStandIn(TOKEN) as hub:
         target = _target(hub)
         monkeypatch.setenv("SFTFLOW_TEST_HUB_TOKEN", "hf_wrong_token")
-        logger = logging.getLogger("sftflow.promote")  # outside a Prefect run the stage logs here
-        logger.addHandler(caplog.handler)
-        try:
-            failed = _sync(registry, target)
-        finally:
-            logger.removeHandler(caplog.handler)
+        failed = _sync(registry, target, caplog)
         assert not failed.ok and failed.version == "v0001" and "401" in failed.error, failed
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("v0001 was not pushed to" in w and "acme/sft-champion" in w for w in warnings), warnings
