@@ -16,9 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
+from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
-from sftflow.tasks.data.stage import IndexConfig
 from sftflow.tasks.plan.config import PlanConfig, SourceShare
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions

@@ -13,7 +13,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.caching import StageCache, read_manifest, retry_on_io_error
@@ -22,6 +22,7 @@ from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
+from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
 from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
@@ -44,14 +45,6 @@ class SourceFile(BaseModel):
     @property
     def name(self) -> str:
         return self.path if self.range is None else f"{self.path}@{self.range.label}"
-
-
-class IndexConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    max_length: int | None = Field(default=None, ge=1)
-    dedup: bool = True
-    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
-    split_salt: str = "sftflow"
 
 
 def source_file(path: str | Path) -> SourceFile:
