@@ -277,7 +277,10 @@ def inspect(
 @command()
 @_user_errors
 def plan(
-    data: Annotated[Path | None, typer.Option(help="folder written by `sftflow data` (default: WORK_DIR/data)")] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="folder written by `sftflow data`, or a dataset index folder (default: WORK_DIR/data)"),
+    ] = None,
     lengths: Annotated[
         Path | None, typer.Option(help=".npy of document lengths, instead of --data (capacity planning)")
     ] = None,
@@ -295,7 +298,7 @@ def plan(
     import numpy as np
 
     from sftflow.flows.config import plan_config
-    from sftflow.tasks.plan.stage import plan_into
+    from sftflow.tasks.plan.plan_files import plan_from_index, plan_into
 
     cfg = _run_config(plan, locals())
     if data is not None and lengths is not None:
@@ -308,6 +311,10 @@ def plan(
         # Without loss spans, every token but each document's first is a trained target.
         targets = np.maximum(doc_lengths - 1, 0)
         _, plan_stats = plan_into(out, doc_lengths, targets, plan_config(cfg), lambda doc: f"{lengths}: doc {doc}")
+    elif data is not None and _bare_index(data):
+        # A dataset index without a `sftflow data` output around it: plain planning (no cache, no Prefect), as
+        # `train` takes such an index too.
+        _, plan_stats = plan_from_index(data, plan_config(cfg), out)
     else:
         import shutil
 
@@ -420,10 +427,14 @@ def _data_result(data: Path):
     return load_data_result(data)
 
 
+def _bare_index(data: Path) -> bool:
+    return (data / "index.json").is_file() and not (data / "data.json").is_file()
+
+
 def _data_inputs(data: Path) -> tuple[str, str | None, str | None]:
     """(index folder, tokenizer, chat template) of `data`: a `sftflow data` output, or a bare dataset index (whose
     tokenizer and template are not known: the model's are used)."""
-    if (data / "index.json").is_file() and not (data / "data.json").is_file():
+    if _bare_index(data):
         return str(data), None, None
     if not (data / "data.json").is_file():
         raise ValueError(

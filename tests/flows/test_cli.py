@@ -140,8 +140,8 @@ def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
     """Vague and silent cases of the first hour: each names the file or key and the way out."""
     from sftflow.flows.config import SFTConfig
     from sftflow.tasks.data.index import build_index
+    from sftflow.tasks.plan.plan_files import plan_from_index
     from sftflow.tasks.plan.planner import PlanConfig
-    from sftflow.tasks.plan.stage import plan_from_index
 
     config = tmp_path / "typo.yaml"
     config.write_text("demo: {records: 50}\nplan: {tokens_per_rnak: 512}\ntrain: {lerning_rate: 1e-3}\nevla: {}\n")

@@ -13,8 +13,8 @@ from sftflow.tasks.data.reader import IndexedDataset
 from sftflow.tasks.data.records import TokenizedDoc
 from sftflow.tasks.plan.config import SourceShare
 from sftflow.tasks.plan.mixture import DocSources, resolve_mixture
+from sftflow.tasks.plan.plan_files import plan_from_index
 from sftflow.tasks.plan.planner import PlanConfig, plan
-from sftflow.tasks.plan.stage import plan_from_index
 
 NAMES = ["chat", "code", "math"]
 

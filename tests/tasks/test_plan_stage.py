@@ -8,8 +8,8 @@ from sftflow.tasks.data.index import build_index
 from sftflow.tasks.data.pbin import write_pbin
 from sftflow.tasks.data.reader import IndexedDataset
 from sftflow.tasks.data.records import TokenizedDoc
+from sftflow.tasks.plan.plan_files import plan_from_index
 from sftflow.tasks.plan.planner import PlanConfig
-from sftflow.tasks.plan.stage import plan_from_index
 from sftflow.tasks.train.collate import collate, packed_collator, trainable_target_count
 
 
