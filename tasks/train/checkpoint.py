@@ -215,7 +215,7 @@ class Checkpointer:
         return "fresh start"
 
     def due(self, step: int) -> bool:
-        return self.config.every > 0 and step % self.config.every == 0
+        return self.config.enabled and self.config.every > 0 and step % self.config.every == 0
 
     def save(self, step: int) -> Path:
         """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""

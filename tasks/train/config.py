@@ -113,6 +113,11 @@ class TrainOptions(BaseModel):
 
     # checkpoints and export
     checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
+    save_checkpoints: bool = Field(
+        True,
+        description="false: no DCP checkpoint at all, not even at the end (the run cannot resume; the export is "
+        "still written): throughput runs of models whose optimizer state outgrows the disk",
+    )
     keep_last: int = Field(2, ge=1)
     resume: bool = False
     init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
@@ -227,6 +232,7 @@ class CheckpointConfig:
     every: int
     keep_last: int
     resume: bool
+    enabled: bool
     init_from: Path | None
     load_components: tuple[str, ...]
 
@@ -260,6 +266,7 @@ def checkpoint_config(c: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(
         folder=c.run_dir / "checkpoints",
         every=c.checkpoint_every,
+        enabled=c.save_checkpoints,
         keep_last=c.keep_last,
         resume=c.resume,
         init_from=Path(c.init_from) if c.init_from else None,
