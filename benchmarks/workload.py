@@ -1,0 +1,149 @@
+"""Run a shipped training workload end to end through the `sftflow` commands, and report what a user gets.
+
+    python benchmarks/workload.py llama8b-16k [--steps 160] [--warmup 10] [--work DIR] [--out DIR] [--set K=V ...]
+
+`benchmarks/workloads/NAME.yaml` is an ordinary run config (the file `sftflow run` and the stage commands take). This
+script writes mock documents of the workload's shape as a dataset index (random tokens, lognormal lengths, loss on
+the trailing part of each turn: `sftflow.tasks.train.mock`), then runs, as separate processes, exactly what a user
+types:
+
+    sftflow plan  --config NAME.yaml --data DIR/data --out DIR/plan
+    sftflow train --config NAME.yaml --data DIR/data --plan DIR/plan --out DIR/run --max-steps STEPS
+
+(`python -m sftflow.flows` where the console script is not installed). Both run without Prefect on a bare GPU image:
+a dataset index is planned and trained without the pipeline's cache. It prints one JSON summary, from the run's
+`metrics.jsonl`: median tokens/s and MFU of the steps after `--warmup`; their aggregate (their tokens over the sum of
+their step times); the end-to-end rate (every token over the `sftflow train` command's wall time, start-up and
+compilation included); peak memory; and the activation checkpointing `auto` chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+# Document shapes of the workloads (the run configs hold no data section: the documents are mock ones).
+DOCS = {
+    "packed": dict(median_length=600, sigma=1.0, min_length=16, max_length=4096),
+    "long": dict(median_length=16384, sigma=0.7, min_length=4096, max_length=65536),
+}
+WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long"}
+
+
+def sftflow(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sftflow.flows", *args]
+
+
+def mock_documents(docs: str, vocab_size: int, tokens: int, seed: int):
+    """A mock source of `docs`-shaped documents holding about `tokens` tokens, with a tenth more for the planner's
+    last partial rows."""
+    from sftflow.tasks.train.mock import MockConfig, sample_lengths
+
+    shape = dict(DOCS[docs], vocab_size=vocab_size, loss_spans=True, seed=seed)
+    probe = sample_lengths(MockConfig(num_docs=4096, **shape))
+    num_docs = max(8, math.ceil(1.1 * tokens / float(probe.mean())))
+    return MockConfig(num_docs=num_docs, **shape)
+
+
+def run(cmd: list[str], log: Path) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    log.write_text(f"$ {' '.join(cmd)}\n{out}")
+    return proc.returncode, wall, out
+
+
+def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    timed = [r for r in records if r["step"] > warmup]
+    if not timed:
+        raise SystemExit(f"{metrics}: no steps after the {warmup} warm-up steps")
+    chosen = re.findall(r"activation checkpointing auto: (\w+)", log)
+    peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {
+        "steps": len(records),
+        "timed_steps": len(timed),
+        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in timed)),
+        "tokens_per_s_aggregate": round(sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)),
+        "tokens_per_s_end_to_end": round(sum(r["tokens"] for r in records) / wall_s),
+        "train_command_wall_s": round(wall_s, 1),
+        "mfu_median": round(statistics.median(mfus), 4) if mfus else None,
+        "peak_memory_gib": round(max(peaks), 1) if peaks else None,
+        "activation_checkpointing_auto": chosen[0] if chosen else None,
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", choices=sorted(WORKLOAD_DOCS))
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the median and aggregate")
+    p.add_argument("--work", type=Path, default=Path("/tmp/sftflow-workload"))
+    p.add_argument("--out", type=Path, default=None, help="copy the summary and the logs here")
+    p.add_argument("--set", action="append", default=[], help="a config override passed to both commands")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from sftflow.flows.config import load_config
+    from sftflow.tasks.train.mock import write_mock_index
+
+    config_path = WORKLOADS / f"{args.workload}.yaml"
+    overrides = [a for kv in args.set for a in ("--set", kv)]
+    cfg = load_config(config_path, {k: v for k, v in (kv.split("=", 1) for kv in args.set)})
+    work = args.work / args.workload
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    model = cfg.train.model
+    if model.endswith(".json"):
+        vocab_size = json.loads(Path(model).read_text())["vocab_size"]
+    else:  # a preset (a CPU check of this script): its stand-in vocabulary
+        vocab_size = 256
+    ranks = cfg.train.nproc * cfg.train.nnodes
+    tokens = args.steps * cfg.plan.tokens_per_rank * ranks * (cfg.plan.micro_batches_per_step or 1)
+    mock = mock_documents(WORKLOAD_DOCS[args.workload], vocab_size, tokens, args.seed)
+    t0 = time.perf_counter()
+    write_mock_index(mock, work / "data")
+    data_s = time.perf_counter() - t0
+
+    common = ["--config", str(config_path), "--data", str(work / "data"), *overrides]
+    code, plan_s, out = run(sftflow("plan", *common, "--out", str(work / "plan"), "--stats-json"), work / "plan.log")
+    if code != 0:
+        raise SystemExit(f"sftflow plan failed ({code}):\n{out[-4000:]}")
+    train = sftflow("train", *common, "--plan", str(work / "plan"), "--out", str(work / "run"))
+    code, train_s, out = run([*train, "--max-steps", str(args.steps)], work / "train.log")
+    if code != 0:
+        raise SystemExit(f"sftflow train failed ({code}):\n{out[-6000:]}")
+    summary = {
+        "workload": args.workload,
+        "config": str(config_path.relative_to(WORKLOADS.parent.parent)),
+        "documents": mock.num_docs,
+        "data_s": round(data_s, 1),
+        "plan_s": round(plan_s, 1),
+        **summarize(work / "run" / "metrics.jsonl", args.warmup, train_s, out),
+    }
+    print(f"[workload] {json.dumps(summary)}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.workload}.json").write_text(json.dumps(summary, indent=2))
+        for name in ("plan.log", "train.log"):
+            (args.out / f"{args.workload}-{name}").write_text((work / name).read_text())
+        (args.out / f"{args.workload}-metrics.jsonl").write_text((work / "run" / "metrics.jsonl").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The commands a GPU image without Prefect runs: `python -m sftflow.flows plan` on a bare dataset index and
+`sftflow train` from a shipped workload config, driven by `benchmarks/workload.py` as the GPU numbers are made, with
+`import prefect` failing in every process (`tests/no_prefect_shim`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "tests" / "no_prefect_shim"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_the_shim_hides_prefect():
+    code = "import importlib.util, sys\ntry:\n import prefect\nexcept ModuleNotFoundError:\n sys.exit(3)\n"
+    assert subprocess.run([sys.executable, "-c", code], env=_env()).returncode == 3
+
+
+@pytest.mark.parametrize("name", ["llama8b-16k", "llama1b-64k"])
+def test_shipped_workload_configs_load(name):
+    from sftflow.flows.config import load_config
+
+    cfg = load_config(ROOT / "benchmarks" / "workloads" / f"{name}.yaml", {})
+    shape = json.loads(Path(cfg.train.model).read_text())  # the model path resolves against the config's folder
+    assert shape["model_type"] == "llama" and shape["vocab_size"] == 128256
+    assert cfg.train.activation_checkpointing == "auto" and not cfg.train.save_checkpoints
+
+
+@pytest.mark.slow  # a plan and a 4-step training run, each in a process of its own (~20 s)
+def test_workload_runs_plan_and_train_without_prefect(tmp_path):
+    """The 8B workload's config with a tiny model on the CPU: the plan comes from the bare mock index, training runs
+    its steps, and with `save_checkpoints: false` no checkpoint is written, not even at the end."""
+    out = tmp_path / "out"
+    args = [
+        sys.executable, str(ROOT / "benchmarks" / "workload.py"), "llama8b-16k", "--steps", "4", "--warmup", "1",
+        "--work", str(tmp_path / "work"), "--out", str(out), "--set", "train.model=tiny-llama",
+        "--set", "plan.tokens_per_rank=4096", "--set", "train.device=cpu",
+    ]  # fmt: skip
+    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "llama8b-16k.json").read_text())
+    assert summary["steps"] == 4 and summary["timed_steps"] == 3
+    assert summary["tokens_per_s_aggregate"] > 0 and summary["train_command_wall_s"] > 0
+    run = tmp_path / "work" / "llama8b-16k" / "run"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert not any((run / "checkpoints").glob("step-*")) and not (run / "checkpoints" / "latest").exists()
+    assert "No module named 'prefect'" not in proc.stderr
