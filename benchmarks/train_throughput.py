@@ -27,6 +27,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
   autocast); Cn with Liger's fused linear CE and compiled decoder layers.
 - **Cac**: C plus transformers' gradient checkpointing on every decoder layer (`gradient_checkpointing_enable`,
   non-reentrant), how its users fit long rows or big models.
+- **Clac**: Cac with Liger's full Llama kernel set (RoPE, RMSNorm, SwiGLU beside the fused linear CE): the strongest
+  peer for a model whose fp32 weights and moments need FSDP's mixed precision rather than autocast (an 8B on one GPU).
 - **D** (sftflow): the worker's own step, imported, not copied: `build_model`, the worker's default `compile="auto"`
   (on CUDA: each decoder layer's forward through `torch.compile(dynamic=True)`, sftflow's attention under
   `torch.compiler.disable`, RoPE in the projections' layout), the worker's default `parallel="auto"` (`parallelize`:
@@ -120,7 +122,7 @@ PRESETS = {
 }
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
-MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
+MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
@@ -346,6 +348,29 @@ def peer_step(
     return batch_tokens(b)
 
 
+@contextlib.contextmanager
+def liger_llama_kernels(enabled: bool):
+    """Liger's Llama kernels (RoPE, RMSNorm, SwiGLU; the fused linear CE is `LigerRoot`'s) for the models built inside.
+    Liger patches the modeling module's classes and functions; they are restored afterwards so that the other modes
+    of this process build the stock modules."""
+    if not enabled:
+        yield
+        return
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    patched = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    saved = {attr: getattr(modeling_llama, attr) for attr in patched}
+    try:
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+        )
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(modeling_llama, attr, value)
+
+
 class LigerRoot(nn.Module):
     """FSDP root for B/C: the base model to the final hidden states, then Liger's fused linear CE (sum)."""
 
@@ -566,13 +591,15 @@ class Bench:
             self.on_oom = None
 
     # -- B / C --------------------------------------------------------------------------------------------------------
-    def mode_bc(self, compiled: bool, checkpointing: bool = False) -> dict:
+    def mode_bc(self, compiled: bool, checkpointing: bool = False, liger_all: bool = False) -> dict:
         args = self.args
         name = ("Cac" if checkpointing else "C") if compiled else "B"
+        name = "Clac" if liger_all else name
         warmup = args.compile_warmup if compiled else args.warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
         attention = register_baseline_attention(self.device)
-        lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
+        with liger_llama_kernels(liger_all):
+            lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
         self.set_shape(lm)
         if compiled:
             torch._dynamo.reset()
@@ -588,7 +615,9 @@ class Bench:
             return peer_step(model, optimizer, scheduler, rows[i], device, self.optim_c.grad_clip, autocast=False)
 
         extra = {
-            "what": f"{attention}, {root.loss_name}"
+            "what": f"{attention}, "
+            + ("Liger RoPE/RMSNorm/SwiGLU + " if liger_all else "")
+            + root.loss_name
             + (", compiled layers (dynamic)" if compiled else "")
             + (", gradient checkpointing (every layer)" if checkpointing else "")
         }
@@ -602,26 +631,12 @@ class Bench:
         name = "Cl" if liger_all else "Cn"
         if self.device.type != "cuda":
             raise ValueError(f"mode {name} needs CUDA (Liger's kernels)")
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        from transformers.models.llama import modeling_llama
-
         args = self.args
         warmup = args.compile_warmup if compiled else args.warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
         attention = register_baseline_attention(self.device)
-        # Liger patches the modeling module's classes and functions; they are restored afterwards so that the other
-        # modes of this process build the stock modules.
-        patched = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
-        saved = {attr: getattr(modeling_llama, attr) for attr in patched}
-        try:
-            if liger_all:
-                apply_liger_kernel_to_llama(
-                    rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
-                )
+        with liger_llama_kernels(liger_all):
             lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
-        finally:
-            for attr, value in saved.items():
-                setattr(modeling_llama, attr, value)
         self.set_shape(lm)
         if compiled:
             torch._dynamo.reset()
@@ -1194,6 +1209,7 @@ def main(argv=None) -> dict:
             "Cl": partial(bench.mode_one_gpu_peer, liger_all=True, compiled=False),
             "Cn": partial(bench.mode_one_gpu_peer, liger_all=False, compiled=True),
             "Cac": partial(bench.mode_bc, compiled=True, checkpointing=True),
+            "Clac": partial(bench.mode_bc, compiled=True, checkpointing=True, liger_all=True),
             "D": partial(bench.mode_d, "D", out),
             "De": partial(bench.mode_d, "De", out, compile_mode="off"),
             "Df": partial(bench.mode_d, "Df", out, parallel="fsdp"),
