@@ -8,8 +8,11 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 - `full`: every decoder layer; activation memory drops to about one layer's input per layer, for ~1/3 more compute;
 - `selective`: every `every`-th layer (default 2: half the layers), half the saving for half the cost;
 - `off`;
-- `auto`: off on a CPU; on a GPU, `full` when the estimated activations of a planned row do not fit in the memory
-  the model, gradients and optimizer state leave (`needs_checkpointing`), else off.
+- `auto`: off on a CPU; on a GPU, the cheapest of off, selective and full whose estimated peak for a planned row
+  fits in the memory the device has free (`choose_checkpointing`). The estimate is the weights, masters, moments and
+  gradients of the run's training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`,
+  measured on an H200), and it also gives the longest row each mode fits (`max_row_tokens`), which
+  `sftflow plan --tokens-per-rank auto` uses.
 """
 
 from __future__ import annotations
@@ -22,17 +25,71 @@ from torch import nn
 log = logging.getLogger("sftflow.train")
 
 
-def needs_checkpointing(config, row_tokens: int, trained_params: int, frozen_bytes: float, free_bytes: int) -> bool:
-    """Whether activations of a `row_tokens` row likely exceed what is left of `free_bytes` (a GPU's memory) after
-    weights (2 bytes), fp32 masters and AdamW moments (12 bytes) and gradients (4 bytes) of the trained parameters,
-    and the frozen weights as held (`frozen_bytes`: 2 per bf16 weight, ~0.52 per NF4 one). The estimate, per token
-    and layer, is the bf16 tensors a Llama-style layer keeps for its backward: ~10 hidden-sized (norm inputs, q, k, v,
-    attention output, residuals) and ~4 intermediate-sized (gate, up, activation, product); it is rough, and
-    `activation_checkpointing: full|off` overrides it."""
-    hidden, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
-    per_token = 2 * (10 * hidden + 4 * inter) * config.num_hidden_layers
-    state = 18 * trained_params + frozen_bytes
-    return row_tokens * per_token > 0.8 * (free_bytes - state)
+# Bytes one token keeps for the backward in one decoder layer, as a fraction of `2 * (10 * hidden + 4 * intermediate)`
+# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), measured on an H200 with the worker's
+# step (compiled layers, Triton attention, one-GPU path) for the Llama-3.2-1B shape: the peak grows by 1.24-1.28 MB
+# per row token from 8k to 64k-token rows, 0.73-0.75 of the structural count (inductor saves fewer tensors than
+# eager), rounded up.
+SAVED_FRACTION = 0.76
+# Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
+OVERHEAD_BYTES = 2 * 2**30
+# The estimate may use this much of the memory the device has free when the model is built.
+USABLE_FRACTION = 0.9
+
+
+def layer_bytes_per_token(config) -> float:
+    """Bytes one token keeps for the backward in one decoder layer without checkpointing."""
+    hidden, inter = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
+
+
+def activation_bytes_per_token(config, mode: str) -> float:
+    """Bytes one row token keeps for the backward, model-wide, with checkpointing `mode`. A checkpointed layer keeps
+    its bf16 input; while one layer is recomputed in the backward, its activations are live as well."""
+    layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
+    kept_input = 2 * config.hidden_size
+    if mode == "off":
+        return layers * one
+    checkpointed = layers if mode == "full" else (layers + 1) // 2  # selective: every second layer
+    return checkpointed * kept_input + (layers - checkpointed) * one + one
+
+
+def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_size: int, total_params: int,
+                num_layers: int) -> float:  # fmt: skip
+    """Device bytes of the weights, master weights, optimizer moments and gradients while activations are live.
+
+    - `single` (one GPU): bf16 weight + int16 low bits of the fp32 master + two fp32 moments + a bf16 gradient: 14
+      bytes a trained parameter (16 with several micro-batches is not counted: the gradient is bf16 until then);
+    - `fsdp`: fp32 parameter + fp32 gradient + two fp32 moments, sharded over the ranks: 16 / world bytes, plus the
+      bf16 copies of the two layers unsharded at a time (the one computing and the one prefetched).
+    Frozen weights (LoRA's base) count as held: `frozen_bytes`, sharded under FSDP."""
+    if parallel == "single":
+        return 14.0 * trained_params + frozen_bytes
+    unsharded = 2 * 2 * total_params / max(num_layers, 1)
+    return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
+
+
+def fits(config, mode: str, row_tokens: int, state: float, free_bytes: int) -> bool:
+    """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode`."""
+    need = state + row_tokens * activation_bytes_per_token(config, mode) + OVERHEAD_BYTES
+    return need <= USABLE_FRACTION * free_bytes
+
+
+def max_row_tokens(config, mode: str, state: float, free_bytes: int, multiple: int = 1024) -> int:
+    """The longest row (a multiple of `multiple` tokens) that likely fits beside `state` with checkpointing `mode`;
+    0 when even the state does not fit."""
+    room = USABLE_FRACTION * free_bytes - state - OVERHEAD_BYTES
+    tokens = int(room // activation_bytes_per_token(config, mode)) if room > 0 else 0
+    return tokens // multiple * multiple
+
+
+def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int) -> str:
+    """`auto`'s choice: the cheapest mode whose estimate fits: off, then selective (half the layers recomputed),
+    then full (`full` also when nothing fits: the run then fails with the device's own out-of-memory error)."""
+    for mode in ("off", "selective"):
+        if fits(config, mode, row_tokens, state, free_bytes):
+            return mode
+    return "full"
 
 
 def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: int = 2) -> int:
@@ -56,14 +113,19 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
     return len(chosen)
 
 
-def resolve_activation_checkpointing(
-    mode: str, device: torch.device, config, row_tokens: int, trained_params: int, frozen_bytes: float
-) -> str:
+def resolve_activation_checkpointing(mode: str, device: torch.device, config, row_tokens: int, state: float) -> str:
+    """The checkpointing mode to apply: `mode` itself, or for `auto`, off on a CPU and `choose_checkpointing` against
+    the device's free memory on a GPU (`state`: `state_bytes` of this run)."""
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "off"
     free, _ = torch.cuda.mem_get_info(device)
-    chosen = "full" if needs_checkpointing(config, row_tokens, trained_params, frozen_bytes, free) else "off"
-    log.info("activation checkpointing auto: %s for rows of %d tokens", chosen, row_tokens)
+    chosen = choose_checkpointing(config, row_tokens, state, free)
+    log.info(
+        "activation checkpointing auto: %s for rows of %d tokens (longest rows that fit: %s)",
+        chosen,
+        row_tokens,
+        ", ".join(f"{m} {max_row_tokens(config, m, state, free):,}" for m in ("off", "selective", "full")),
+    )
     return chosen

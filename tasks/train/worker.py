@@ -28,7 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from sftflow.tasks.train import config as cfg
-from sftflow.tasks.train.activations import apply_activation_checkpointing, resolve_activation_checkpointing
+from sftflow.tasks.train.activations import (
+    apply_activation_checkpointing,
+    resolve_activation_checkpointing,
+    state_bytes,
+)
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
 from sftflow.tasks.train.checkpoint import (
     Checkpointer,
@@ -411,14 +415,18 @@ def build_run(run_dir: Path) -> Run:
     param_dtype = compute_dtype(env, config.dtype)
     if compiled:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
-    trained = sum(p.numel() for p in lm.parameters() if p.requires_grad)
-    checkpointing = resolve_activation_checkpointing(
-        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, trained,
-        frozen_weight_bytes(lm, config.quantize),
-    )  # fmt: skip
-    apply_activation_checkpointing(decoder_layers(lm), checkpointing)
-    optim_c = cfg.optim_config(config)
     parallel = resolve_parallel(config.parallel, env)
+    layers = decoder_layers(lm)
+    state = state_bytes(
+        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
+        frozen_bytes=frozen_weight_bytes(lm, config.quantize), parallel=parallel, world_size=env.world_size,
+        total_params=sum(p.numel() for p in lm.parameters()), num_layers=len(layers),
+    )  # fmt: skip
+    checkpointing = resolve_activation_checkpointing(
+        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state
+    )
+    apply_activation_checkpointing(layers, checkpointing)
+    optim_c = cfg.optim_config(config)
     checkpoint_c = cfg.checkpoint_config(config)
     # Weights a checkpoint is about to replace are not read (a LoRA checkpoint holds only the adapters).
     weights = None if restores_model(checkpoint_c) and config.lora is None else weights
