@@ -285,7 +285,10 @@ def plan(
         Path | None, typer.Option(help=".npy of document lengths, instead of --data (capacity planning)")
     ] = None,
     num_ranks: Annotated[int | None, _option("plan.num_ranks")] = None,
-    tokens_per_rank: Annotated[int | None, _option("plan.tokens_per_rank", help="capacity of one packed row")] = None,
+    tokens_per_rank: Annotated[
+        str | None,
+        _option("plan.tokens_per_rank", help="tokens in one packed row, or auto: the longest the GPUs' memory fits"),
+    ] = None,
     force: Annotated[bool, typer.Option(help="recompute the plan, ignoring the cache")] = False,
     config: ConfigFile = None,
     set: Assignments = None,
@@ -314,7 +317,7 @@ def plan(
     elif data is not None and _bare_index(data):
         # A dataset index without a `sftflow data` output around it: plain planning (no cache, no Prefect), as
         # `train` takes such an index too.
-        _, plan_stats = plan_from_index(data, plan_config(cfg), out)
+        _, plan_stats = plan_from_index(data, plan_config(cfg, _index_vocab_size(data)), out)
     else:
         import shutil
 
@@ -327,7 +330,10 @@ def plan(
             )
         plan_stats = manifest.stats
         shutil.copyfile(manifest.path, out / "plan.npz")
+    with np.load(out / "plan.npz") as arrays:
+        row_tokens = int(arrays["tokens_per_rank"])  # the number `auto` became
     summary = {
+        "tokens_per_rank": row_tokens,
         "efficiency": plan_stats.efficiency,
         "token_imbalance": plan_stats.token_imbalance,
         "cost_imbalance": plan_stats.cost_imbalance,
@@ -341,7 +347,10 @@ def plan(
     elif stats:
         typer.echo(plan_stats.model_dump_json(indent=2))
     else:
-        typer.echo(f"plan: {plan_stats.num_steps} steps, efficiency {plan_stats.efficiency:.2%} → {out}")
+        typer.echo(
+            f"plan: {plan_stats.num_steps} steps of {row_tokens:,}-token rows, efficiency "
+            f"{plan_stats.efficiency:.2%} → {out}"
+        )
 
 
 def main() -> None:  # pragma: no cover
@@ -425,6 +434,10 @@ def _data_result(data: Path):
     if not (data / "data.json").is_file():
         raise ValueError(f"{data}: no `sftflow data` output here (data.json); run `sftflow data --out {data}` first")
     return load_data_result(data)
+
+
+def _index_vocab_size(index_dir: Path) -> int | None:
+    return json.loads((index_dir / "index.json").read_text()).get("vocab_size")
 
 
 def _bare_index(data: Path) -> bool:

@@ -10,7 +10,7 @@ import copy
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -114,7 +114,17 @@ class DataConfig(BaseModel):
 class PlanSection(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_ranks: int | None = Field(None, ge=1, description="data-parallel ranks (default: train.nproc × train.nnodes)")
-    tokens_per_rank: int = Field(2048, ge=1)
+    tokens_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        2048,
+        description="tokens in one packed row on one rank, or auto: the longest row the training GPUs' memory fits "
+        "beside the model's weights and optimizer state, with train.activation_checkpointing (auto plans for rows "
+        "that fit without it)",
+    )
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="free GiB on one training GPU, for tokens_per_rank: auto (default: this machine's first GPU)",
+    )
     micro_batches_per_step: int | None = Field(None, ge=1)
     target_tokens_per_step: int | None = Field(None, ge=1)
     epochs: int = Field(1, ge=1)
@@ -339,9 +349,17 @@ def data_config(cfg: SFTConfig) -> DataConfig:
     return DataConfig.model_validate(base)
 
 
-def plan_config(cfg: SFTConfig) -> PlanConfig:
+def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
+    """The planner's settings from the run config; `tokens_per_rank: auto` becomes the longest row the training GPUs
+    fit (`sftflow.tasks.train.capacity`), so the plan's cache key holds the number it planned with. `vocab_size`: the
+    data's, for a preset model (whose vocabulary comes from the data)."""
     section = cfg.plan.model_dump()
     num_ranks = section.pop("num_ranks") or cfg.train.nproc * cfg.train.nnodes
+    memory_gib = section.pop("device_memory_gib")
+    if section["tokens_per_rank"] == "auto":
+        from sftflow.tasks.train.capacity import row_capacity
+
+        section["tokens_per_rank"] = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size).tokens
     mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
     return PlanConfig(num_ranks=num_ranks, mixture=mixture, **section)
 

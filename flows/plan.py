@@ -27,7 +27,8 @@ def sft_plan(
     with work_dir_lock(work):
         data = data or load_data_result(work)
         task = plan_task.with_options(refresh_cache=True) if force else plan_task
-        manifest = task(data.index, plan_config(cfg), str(work))
+        vocab_size = max((shard.vocab_size for shard in data.index.shards), default=None)
+        manifest = task(data.index, plan_config(cfg, vocab_size), str(work))
         write_stage_result(work, "plan", manifest)
         s = manifest.stats
         get_run_logger().info(

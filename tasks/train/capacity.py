@@ -1,0 +1,96 @@
+"""The longest packed row a training run fits on its GPUs: `plan.tokens_per_rank: auto`.
+
+The plan fixes the row length before training starts, so the memory estimate the worker's `activation_checkpointing:
+auto` uses (`sftflow.tasks.train.activations`) runs here on the run's settings instead: the model built on the meta
+device (no weights read), LoRA adapters injected as the worker injects them, the state of the training path the worker
+will take on `num_ranks` GPUs, and the checkpointing mode asked for. `auto` plans for rows that fit without
+checkpointing, the fastest per token; ask for `activation_checkpointing: full` to plan the longest rows a GPU holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sftflow.tasks.train.activations import max_row_tokens, state_bytes
+
+log = logging.getLogger("sftflow.plan")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class RowCapacity:
+    tokens: int  # the longest row that fits, a multiple of 1024
+    mode: str  # the activation checkpointing it was sized for
+    parallel: str  # the training path it was sized for: single or fsdp
+    free_bytes: int  # the device memory it was sized against
+    state_bytes: float  # weights, masters, moments and gradients per device
+
+    def describe(self) -> str:
+        return (
+            f"tokens_per_rank auto: {self.tokens:,} tokens (activation checkpointing {self.mode}, {self.parallel} "
+            f"path, {self.state_bytes / GIB:.1f} GiB of weights and optimizer state in {self.free_bytes / GIB:.1f} "
+            "GiB)"
+        )
+
+
+def device_free_bytes(memory_gib: float | None) -> int:
+    """`memory_gib` when given, else what this machine's first GPU has free."""
+    if memory_gib is not None:
+        return int(memory_gib * GIB)
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "plan.tokens_per_rank: auto sizes rows for the training GPUs' memory, and this machine has no GPU to "
+            "ask; set plan.device_memory_gib (free GiB on one training GPU: ~139 on an idle H200, ~79 on an 80 GB "
+            "H100) or give plan.tokens_per_rank as a number"
+        )
+    return torch.cuda.mem_get_info(0)[0]
+
+
+def row_capacity(train, num_ranks: int, memory_gib: float | None = None, vocab_size: int | None = None) -> RowCapacity:
+    """The longest row `train` (the run config's `train` section) fits on each of `num_ranks` GPUs."""
+    from transformers import AutoModelForCausalLM
+
+    from sftflow.tasks.train.lora import apply_lora
+    from sftflow.tasks.train.model import PRESETS, decoder_layers, model_config
+    from sftflow.tasks.train.quantize import frozen_weight_bytes
+
+    free = device_free_bytes(memory_gib)
+    stand_in = max(vocab_size or 0, 256) if train.model in PRESETS else vocab_size
+    try:
+        config = model_config(train.model, vocab_size=stand_in, overrides=train.model_overrides)
+    except OSError as err:
+        raise ValueError(
+            f"plan.tokens_per_rank: auto reads the model's config, and train.model {train.model!r} has none here "
+            f"({err}); give a local folder or config.json, or plan.tokens_per_rank as a number"
+        ) from err
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+        if train.lora is not None:
+            apply_lora(lm, train.lora, train.model)
+    parallel = train.parallel if train.parallel != "auto" else ("single" if num_ranks == 1 else "fsdp")
+    state = state_bytes(
+        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
+        frozen_bytes=frozen_weight_bytes(lm, train.quantize),
+        parallel=parallel,
+        world_size=num_ranks,
+        total_params=sum(p.numel() for p in lm.parameters()),
+        num_layers=len(decoder_layers(lm)),
+    )
+    mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
+    tokens = max_row_tokens(config, mode, state, free)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit:
+        tokens = min(tokens, limit // 1024 * 1024 or limit)
+    if tokens <= 0:
+        more = "" if mode == "full" else "; train.activation_checkpointing: full leaves more room, or "
+        raise ValueError(
+            f"plan.tokens_per_rank: auto: {train.model}'s weights and optimizer state (~{state / GIB:.1f} GiB a GPU "
+            f"on the {parallel} path) leave no room for a row in {free / GIB:.1f} GiB{more or '; '}train LoRA "
+            "(train.lora) or on more GPUs (train.nproc)"
+        )
+    capacity = RowCapacity(tokens=tokens, mode=mode, parallel=parallel, free_bytes=free, state_bytes=state)
+    log.info(capacity.describe())
+    return capacity

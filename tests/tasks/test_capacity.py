@@ -1,0 +1,71 @@
+"""`plan.tokens_per_rank: auto`: the longest row the training GPUs fit, from the run's own settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sftflow.flows.config import SFTConfig, plan_config
+from sftflow.tasks.train.activations import fits, max_row_tokens, state_bytes
+from sftflow.tasks.train.capacity import GIB, row_capacity
+from sftflow.tasks.train.config import LoraSettings, TrainOptions
+
+LLAMA8B = str(Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "llama-3.1-8b.json")
+H200 = 139.3
+
+
+def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
+    off = row_capacity(TrainOptions(model=LLAMA8B), 1, H200)
+    full = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing="full"), 1, H200)
+    two = row_capacity(TrainOptions(model=LLAMA8B, nproc=2), 2, H200)
+    lora = row_capacity(TrainOptions(model=LLAMA8B, lora=LoraSettings(rank=16)), 1, H200)
+    assert (off.parallel, off.mode, two.parallel, full.mode) == ("single", "off", "fsdp", "full")
+    assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
+    # one GPU, full fine-tuning: 14 bytes a parameter (bf16 weight, int16 master bits, fp32 moments, bf16 gradient)
+    assert off.state_bytes == pytest.approx(14 * 8_030_261_248)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(LLAMA8B)
+    free = int(H200 * GIB)
+    for capacity in (off, full):
+        assert capacity.tokens == max_row_tokens(config, capacity.mode, capacity.state_bytes, free)
+        assert fits(config, capacity.mode, capacity.tokens, capacity.state_bytes, free)
+        assert not fits(config, capacity.mode, capacity.tokens + 1024, capacity.state_bytes, free)
+    assert two.state_bytes == pytest.approx(state_bytes(8_030_261_248, 0.0, "fsdp", 2, 8_030_261_248, 32))
+
+
+def test_a_model_that_leaves_no_room_and_a_machine_without_a_gpu_say_what_to_do():
+    with pytest.raises(ValueError, match=r"leave no room for a row in 80\.0 GiB.*activation_checkpointing: full"):
+        row_capacity(TrainOptions(model=LLAMA8B), 1, 80.0)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="plan.device_memory_gib"):
+            row_capacity(TrainOptions(model=LLAMA8B), 1, None)
+
+
+def test_the_plan_config_holds_the_number_auto_became():
+    cfg = SFTConfig.model_validate(
+        {"plan": {"tokens_per_rank": "auto", "device_memory_gib": H200}, "train": {"model": LLAMA8B}}
+    )
+    assert plan_config(cfg).tokens_per_rank == row_capacity(cfg.train, 1, H200).tokens
+    tiny = SFTConfig.model_validate({"plan": {"tokens_per_rank": "auto", "device_memory_gib": 8}})
+    assert plan_config(tiny, vocab_size=512).tokens_per_rank == 2048  # the preset's max_position_embeddings
+    with pytest.raises(ValueError):
+        SFTConfig.model_validate({"plan": {"tokens_per_rank": "most"}})
+
+
+def test_sftflow_plan_prints_the_row_it_chose(tmp_path):
+    from sftflow.flows.cli import app
+    from sftflow.tasks.train.mock import MockConfig, write_mock_index
+
+    write_mock_index(MockConfig(num_docs=64, vocab_size=512, max_length=1024, seed=1), tmp_path / "data")
+    args = ["plan", "--data", str(tmp_path / "data"), "--tokens-per-rank", "auto", "--set", "train.model=" + LLAMA8B]
+    args += ["--set", f"plan.device_memory_gib={H200}", "--out", str(tmp_path / "plan"), "--stats-json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output.strip().splitlines()[-1])
+    assert stats["tokens_per_rank"] == row_capacity(TrainOptions(model=LLAMA8B), 1, H200).tokens
