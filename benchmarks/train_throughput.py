@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py [--modes A,B,C,D,De] [--out DIR]        # the 1B training benchmark (H200)
     python benchmarks/train_throughput.py --gpu-check DIR                         # the worker check
     python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --preset llama8b --modes Cac  # a baseline on 2 GPUs
 
 Model: Llama-3.2-1B-shaped (`--preset llama1b`, the default), random init (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, intermediate 8192, vocab 128256, tied embeddings); `--preset llama8b` is Llama-3.1-8B-shaped (hidden 4096, 32
@@ -46,6 +47,11 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
   longer rows cost in time for the memory they save.
 
+Under torchrun (N ranks) only the FSDP baselines run (B, C, Cac, Clac): one plan of N rows a step, each rank its
+own row, each rank's loss the mean over its rows' trained tokens with FSDP averaging the gradients (how their users
+train); tokens/s counts every rank's tokens, MFU is over N GPUs, rank 0 reports. sftflow's side of such a comparison
+is `benchmarks/workload.py NAME --set train.nproc=N`.
+
 Timing: `torch.cuda.synchronize()` before and after each step, host clock; warm-up steps excluded; tokens are real
 (non-pad) tokens. tokens/s is the median over the timed steps of tokens/step-time. MFU = (6 * N * tokens +
 6 * layers * q_width * sum(doc_len^2)) / time / (measured bf16 matmul rate), N = decoder-layer parameters + LM head
@@ -76,6 +82,7 @@ import traceback
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -123,6 +130,7 @@ PRESETS = {
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
 MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
+MULTI_GPU_MODES = {"B", "C", "Cac", "Clac"}  # the FSDP baselines, under torchrun --nproc-per-node N
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
@@ -161,8 +169,8 @@ def llama_config(preset: str, sliding_window: int | None = None):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def make_data(args, vocab_size: int, rows_needed: int):
-    """Mock documents and a plan with at least `rows_needed` rows of `args.row_tokens` tokens (one row per step)."""
+def make_data(args, vocab_size: int, rows_needed: int, num_ranks: int = 1):
+    """Mock documents and a plan with at least `rows_needed` steps of one `args.row_tokens`-token row per rank."""
     from sftflow.tasks.plan.planner import PlanConfig, plan
     from sftflow.tasks.train.mock import MockConfig, MockDataset, sample_lengths
 
@@ -179,9 +187,9 @@ def make_data(args, vocab_size: int, rows_needed: int):
         )
 
     mean_len = float(sample_lengths(mock(4096)).mean())
-    num_docs = int(math.ceil(1.3 * rows_needed * args.row_tokens / mean_len)) + 16
+    num_docs = int(math.ceil(1.3 * rows_needed * num_ranks * args.row_tokens / mean_len)) + 16
     dataset = MockDataset(mock(num_docs))
-    config = PlanConfig(num_ranks=1, tokens_per_rank=args.row_tokens, micro_batches_per_step=1, seed=args.seed)
+    config = PlanConfig(num_ranks=num_ranks, tokens_per_rank=args.row_tokens, micro_batches_per_step=1, seed=args.seed)
     arrays, stats = plan(dataset.lengths, dataset.loss_token_counts, config)
     if arrays.num_steps < rows_needed:
         raise ValueError(f"plan has {arrays.num_steps} steps; the benchmark needs {rows_needed}")
@@ -410,13 +418,26 @@ class LigerRoot(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def packed_rows(plan, dataset, steps: int) -> list[dict]:
-    """The plan's first `steps` rows through the worker's packed collator (the rows D trains on)."""
+def packed_rows(plan, dataset, steps: int, rank: int = 0) -> list[dict]:
+    """`rank`'s rows of the plan's first `steps` steps through the worker's packed collator (the rows D trains on)."""
     from sftflow.tasks.train.collate import collate, packed_collator
     from sftflow.tasks.train.data import plan_row
 
     fns = packed_collator(PAD_ID)
-    return [collate([dataset[int(i)] for i in plan_row(plan, s, 0, 0)], fns) for s in range(steps)]
+    return [collate([dataset[int(i)] for i in plan_row(plan, s, 0, rank)], fns) for s in range(steps)]
+
+
+def step_totals(plan, dataset, steps: int) -> list[tuple[int, float]]:
+    """(tokens, sum of squared document lengths) of each of the first `steps` steps over every rank: what a step of
+    a multi-GPU baseline trains, known from the plan without a collective."""
+    from sftflow.tasks.train.data import plan_row
+
+    totals = []
+    for s in range(steps):
+        lengths = np.concatenate([dataset.lengths[plan_row(plan, s, 0, r)] for r in range(plan.num_ranks)])
+        lengths = lengths.astype(np.float64)
+        totals.append((int(lengths.sum()), float((lengths**2).sum())))
+    return totals
 
 
 def padded_batches(plan, dataset, steps: int, batch_size: int) -> list[dict]:
@@ -520,7 +541,8 @@ class Bench:
             self.matmul_factor * self.n_matmul * n + 6 * self.n_layers * self.width * sq
             for n, sq in zip(tokens, sum_sq, strict=True)
         ]
-        mfu = [f / t / (self.tflops * 1e12) for f, t in zip(flops, times, strict=True)] if self.tflops else []
+        gpus = self.env.world_size  # a multi-GPU baseline's tokens are every rank's
+        mfu = [f / t / (gpus * self.tflops * 1e12) for f, t in zip(flops, times, strict=True)] if self.tflops else []
         result = {
             "mode": name,
             "timed_steps": len(times),
@@ -596,7 +618,8 @@ class Bench:
         name = ("Cac" if checkpointing else "C") if compiled else "B"
         name = "Clac" if liger_all else name
         warmup = args.compile_warmup if compiled else args.warmup
-        rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
+        rows = packed_rows(self.plan, self.dataset, warmup + args.steps, rank=self.env.rank)
+        totals = step_totals(self.plan, self.dataset, warmup + args.steps)
         attention = register_baseline_attention(self.device)
         with liger_llama_kernels(liger_all):
             lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
@@ -612,7 +635,9 @@ class Bench:
         device = self.device
 
         def step(i):
-            return peer_step(model, optimizer, scheduler, rows[i], device, self.optim_c.grad_clip, autocast=False)
+            # each rank's loss is its own rows' mean, and FSDP averages the gradients: how its users train
+            peer_step(model, optimizer, scheduler, rows[i], device, self.optim_c.grad_clip, autocast=False)
+            return totals[i]
 
         extra = {
             "what": f"{attention}, "
@@ -1185,11 +1210,21 @@ def main(argv=None) -> dict:
     if unknown:
         raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected some of {list(MODES)}")
     env = init_single_process(args.device)
+    if env.world_size > 1:
+        # Under torchrun: the FSDP baselines on every rank, each its own rows of one plan; rank 0 reports.
+        if set(modes) - MULTI_GPU_MODES:
+            raise ValueError(
+                f"--modes: on {env.world_size} ranks only {sorted(MULTI_GPU_MODES)} run (sftflow's own multi-GPU "
+                "step is benchmarks/workload.py with --set train.nproc=N)"
+            )
+        if env.rank != 0:
+            out = None
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     lm_config = llama_config(args.preset, args.sliding_window)
     rows_needed = max(args.warmup, args.compile_warmup) + args.steps + args.breakdown_steps + args.profile_steps
-    dataset, plan_arrays, stats = make_data(args, lm_config.vocab_size, rows_needed)
+    dataset, plan_arrays, stats = make_data(args, lm_config.vocab_size, rows_needed, env.world_size)
     report["data"] = {
         "docs": len(dataset),
         "mean_length": float(dataset.lengths.mean()),

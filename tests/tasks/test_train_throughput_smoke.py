@@ -32,3 +32,24 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     assert set(d["breakdown_ms_median"]) == phases
     assert 0.3 < report["data"]["trained_fraction"] < 0.7
     assert "| D |" in (out / "train_throughput.md").read_text()
+
+
+def test_a_baseline_runs_on_two_ranks_and_counts_both_ranks_tokens(tmp_path):
+    """Under torchrun (2 gloo processes) the FSDP baseline B trains each rank's own row of a 2-rank plan; a step's
+    tokens are both rows' (more than one row holds), and the report is rank 0's alone."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(SCRIPT)]
+    cmd += ["--preset", "tiny", "--device", "cpu", "--modes", "B", "--row-tokens", "256", "--median-length", "24"]
+    cmd += ["--min-length", "4", "--max-length", "96", "--warmup", "1", "--steps", "2", "--breakdown-steps", "0"]
+    cmd += ["--profile-steps", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = json.loads((out / "train_throughput.json").read_text())["results"]
+    assert "error" not in result, result
+    assert result["mode"] == "B" and result["timed_steps"] == 2
+    assert 256 < result["tokens_per_step_mean"] <= 2 * 256
+    assert proc.stdout.count("[B] {") == 1  # rank 1 prints nothing
+    wrong = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(SCRIPT)]
+    wrong += ["--preset", "tiny", "--device", "cpu", "--modes", "D", "--steps", "1", "--row-tokens", "256"]
+    proc = subprocess.run(wrong, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0 and "benchmarks/workload.py" in proc.stderr
