@@ -8,6 +8,9 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 - `full`: every decoder layer; activation memory drops to about one layer's input per layer, for ~1/3 more compute;
 - `selective`: every `every`-th layer (default 2: half the layers), half the saving for half the cost;
 - `off`;
+- `activation_offload` (with selective or full): the inputs the checkpointed layers keep wait in pinned host memory,
+  so full checkpointing keeps only the layer being recomputed on the device, for two copies of each layer's input
+  over the host link per step;
 - `auto`: off on a CPU; on a GPU, the cheapest of off, selective and full whose estimated peak for a planned row
   fits in the memory the device has free (`choose_checkpointing`). The estimate is the weights, masters, moments and
   gradients of the run's training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`,
@@ -43,11 +46,12 @@ def layer_bytes_per_token(config) -> float:
     return SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
 
 
-def activation_bytes_per_token(config, mode: str) -> float:
-    """Bytes one row token keeps for the backward, model-wide, with checkpointing `mode`. A checkpointed layer keeps
-    its bf16 input; while one layer is recomputed in the backward, its activations are live as well."""
+def activation_bytes_per_token(config, mode: str, offload: bool = False) -> float:
+    """Bytes one row token keeps on the device for the backward, model-wide, with checkpointing `mode`. A checkpointed
+    layer keeps its bf16 input (in host memory with `offload`); while one layer is recomputed in the backward, its
+    activations are live as well."""
     layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
-    kept_input = 2 * config.hidden_size
+    kept_input = 0 if offload else 2 * config.hidden_size
     if mode == "off":
         return layers * one
     checkpointed = layers if mode == "full" else (layers + 1) // 2  # selective: every second layer
@@ -69,32 +73,35 @@ def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_s
     return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
 
 
-def fits(config, mode: str, row_tokens: int, state: float, free_bytes: int) -> bool:
+def fits(config, mode: str, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> bool:
     """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode`."""
-    need = state + row_tokens * activation_bytes_per_token(config, mode) + OVERHEAD_BYTES
+    need = state + row_tokens * activation_bytes_per_token(config, mode, offload) + OVERHEAD_BYTES
     return need <= USABLE_FRACTION * free_bytes
 
 
-def max_row_tokens(config, mode: str, state: float, free_bytes: int, multiple: int = 1024) -> int:
+def max_row_tokens(
+    config, mode: str, state: float, free_bytes: int, multiple: int = 1024, offload: bool = False
+) -> int:
     """The longest row (a multiple of `multiple` tokens) that likely fits beside `state` with checkpointing `mode`;
     0 when even the state does not fit."""
     room = USABLE_FRACTION * free_bytes - state - OVERHEAD_BYTES
-    tokens = int(room // activation_bytes_per_token(config, mode)) if room > 0 else 0
+    tokens = int(room // activation_bytes_per_token(config, mode, offload)) if room > 0 else 0
     return tokens // multiple * multiple
 
 
-def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int) -> str:
+def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> str:
     """`auto`'s choice: the cheapest mode whose estimate fits: off, then selective (half the layers recomputed),
     then full (`full` also when nothing fits: the run then fails with the device's own out-of-memory error)."""
     for mode in ("off", "selective"):
-        if fits(config, mode, row_tokens, state, free_bytes):
+        if fits(config, mode, row_tokens, state, free_bytes, offload):
             return mode
     return "full"
 
 
-def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: int = 2) -> int:
+def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: int = 2, offload: bool = False) -> int:
     """Turn checkpointing on for the decoder `layers` (all for `full`, every `every`-th for `selective`); returns how
-    many. The layers' `gradient_checkpointing` flag is what transformers' `gradient_checkpointing_enable` sets."""
+    many. The layers' `gradient_checkpointing` flag is what transformers' `gradient_checkpointing_enable` sets. With
+    `offload`, the input each checkpointed layer keeps waits for the backward in host memory (`HostOffload`)."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
@@ -102,6 +109,9 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
     if mode == "off":
         return 0
     chosen = layers if mode == "full" else layers[::every]
+    func = partial(checkpoint, use_reentrant=False)
+    if offload:
+        func = partial(_offloaded, func)
     for layer in chosen:
         if not hasattr(layer, "gradient_checkpointing"):
             raise ValueError(
@@ -109,11 +119,48 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
                 "GradientCheckpointingLayer); set train.activation_checkpointing: off"
             )
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer._gradient_checkpointing_func = func
     return len(chosen)
 
 
-def resolve_activation_checkpointing(mode: str, device: torch.device, config, row_tokens: int, state: float) -> str:
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of at least `min_bytes` on a GPU go to pinned host memory when saved and come back when the
+    backward needs them. Both copies are queued on the current stream without waiting for it (`non_blocking`): the
+    device memory a tensor leaves is reused only by work queued after its copy, and the pinned buffer is kept until
+    the copy back has run (torch's host allocator records the copy's stream). Small tensors and tensors on other
+    devices than `device_type` stay.
+
+    Around a non-reentrant checkpoint this catches exactly the inputs the checkpoint keeps for its recompute: inside
+    the checkpointed region the checkpoint's own hooks take precedence and keep nothing."""
+
+    def __init__(self, min_bytes: int = 1 << 20, device_type: str = "cuda"):
+        self.moved = 0  # tensors sent to the host so far
+
+        def pack(tensor: torch.Tensor):
+            if tensor.device.type != device_type or tensor.numel() * tensor.element_size() < min_bytes:
+                return tensor
+            self.moved += 1
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            host.copy_(tensor, non_blocking=True)
+            return (tensor.device, host)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)
+
+
+def _offloaded(checkpoint_fn, fn, *args, **kwargs):
+    with HostOffload():
+        return checkpoint_fn(fn, *args, **kwargs)
+
+
+def resolve_activation_checkpointing(
+    mode: str, device: torch.device, config, row_tokens: int, state: float, offload: bool = False
+) -> str:
     """The checkpointing mode to apply: `mode` itself, or for `auto`, off on a CPU and `choose_checkpointing` against
     the device's free memory on a GPU (`state`: `state_bytes` of this run)."""
     if mode != "auto":
@@ -121,11 +168,12 @@ def resolve_activation_checkpointing(mode: str, device: torch.device, config, ro
     if device.type != "cuda":
         return "off"
     free, _ = torch.cuda.mem_get_info(device)
-    chosen = choose_checkpointing(config, row_tokens, state, free)
+    chosen = choose_checkpointing(config, row_tokens, state, free, offload)
+    longest = {m: max_row_tokens(config, m, state, free, offload=offload) for m in ("off", "selective", "full")}
     log.info(
         "activation checkpointing auto: %s for rows of %d tokens (longest rows that fit: %s)",
         chosen,
         row_tokens,
-        ", ".join(f"{m} {max_row_tokens(config, m, state, free):,}" for m in ("off", "selective", "full")),
+        ", ".join(f"{m} {n:,}" for m, n in longest.items()),
     )
     return chosen

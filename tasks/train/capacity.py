@@ -80,7 +80,7 @@ def row_capacity(train, num_ranks: int, memory_gib: float | None = None, vocab_s
         num_layers=len(decoder_layers(lm)),
     )
     mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
-    tokens = max_row_tokens(config, mode, state, free)
+    tokens = max_row_tokens(config, mode, state, free, offload=train.activation_offload and mode != "off")
     limit = getattr(config, "max_position_embeddings", None)
     if limit:
         tokens = min(tokens, limit // 1024 * 1024 or limit)

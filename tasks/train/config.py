@@ -99,7 +99,12 @@ class TrainOptions(BaseModel):
     activation_checkpointing: Literal["auto", "off", "selective", "full"] = Field(
         "auto",
         description="recompute decoder layers' activations in the backward: full (every layer), selective (every "
-        "other layer), off; auto = full on a GPU when a planned row's activations would not fit, else off",
+        "other layer), off; auto = on a GPU, the cheapest of off, selective and full whose estimated peak fits",
+    )
+    activation_offload: bool = Field(
+        False,
+        description="with checkpointing: keep the checkpointed layers' inputs in pinned host memory until the "
+        "backward (GPU memory for longer rows, two host copies of each layer's input a step)",
     )
     parallel: Literal["auto", "fsdp", "single"] = Field(
         "auto",

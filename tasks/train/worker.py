@@ -422,10 +422,11 @@ def build_run(run_dir: Path) -> Run:
         frozen_bytes=frozen_weight_bytes(lm, config.quantize), parallel=parallel, world_size=env.world_size,
         total_params=sum(p.numel() for p in lm.parameters()), num_layers=len(layers),
     )  # fmt: skip
+    offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(
-        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state
+        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload
     )
-    apply_activation_checkpointing(layers, checkpointing)
+    apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)
     checkpoint_c = cfg.checkpoint_config(config)
     # Weights a checkpoint is about to replace are not read (a LoRA checkpoint holds only the adapters).

@@ -9,6 +9,7 @@ import torch
 
 from sftflow.tasks.train.activations import (
     OVERHEAD_BYTES,
+    HostOffload,
     activation_bytes_per_token,
     apply_activation_checkpointing,
     choose_checkpointing,
@@ -24,7 +25,7 @@ OVERRIDES = dict(
 )
 
 
-def _step(mode: str, device: str = "cpu", compiled: bool = False):
+def _step(mode: str, device: str = "cpu", compiled: bool = False, offload: bool = False):
     """Loss, gradients and bytes of tensors saved for the backward, of one packed row."""
     torch.manual_seed(0)
     lm = build_model("tiny-llama", vocab_size=97, packed=True, overrides=OVERRIDES)
@@ -35,7 +36,8 @@ def _step(mode: str, device: str = "cpu", compiled: bool = False):
         if compiled:
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm), strict=True, device=torch.device(device), dtype=torch.bfloat16)
-    assert apply_activation_checkpointing(decoder_layers(lm), mode) == {"off": 0, "selective": 2, "full": 4}[mode]
+    checkpointed = apply_activation_checkpointing(decoder_layers(lm), mode, offload=offload)
+    assert checkpointed == {"off": 0, "selective": 2, "full": 4}[mode]
     model = CausalLMLoss(lm).train()
     rng = np.random.default_rng(0)
     docs = [(rng.integers(3, 97, n), np.array([[1, n]], dtype=np.int32)) for n in (40, 7, 61, 25)]
@@ -74,6 +76,64 @@ def test_checkpointing_composes_with_compiled_layers_and_the_triton_attention_on
     torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=1e-3)
     for name, grad in grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=2e-2, atol=2e-2 * grad.abs().max().item(), msg=name)
+
+
+def test_offloaded_checkpoints_give_the_same_loss_and_gradients():
+    """With `offload` the checkpointed layers' kept inputs go through `HostOffload` (nothing moves on a CPU), and the
+    step is unchanged."""
+    loss, grads, _ = _step("full")
+    got_loss, got_grads, _ = _step("full", offload=True)
+    assert torch.equal(got_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(got_grads[name], grad), name
+
+
+def test_host_offload_takes_exactly_what_a_checkpoint_keeps():
+    """Around a non-reentrant checkpoint the hooks see the checkpoint's saved input and nothing from inside the
+    checkpointed region (its own hooks win there); what comes back is the same tensor's values."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    offload = HostOffload(min_bytes=0, device_type="cpu")
+    with offload:
+        out = checkpoint(layer, x, use_reentrant=False)
+    assert offload.moved == 1  # x alone, not the two Linear inputs or the GELU's
+    out.square().sum().backward()
+    want = torch.autograd.grad(layer(x).square().sum(), x)[0]
+    torch.testing.assert_close(x.grad, want)
+    small = HostOffload(min_bytes=1 << 20, device_type="cpu")
+    with small:
+        checkpoint(layer, x, use_reentrant=False)
+    assert small.moved == 0  # 8 KiB stays
+
+
+@pytest.mark.gpu
+def test_offloaded_checkpoints_keep_less_on_the_gpu():
+    """What the forward leaves allocated for the backward is smaller with the checkpointed inputs on the host, and
+    the loss is the same."""
+    from sftflow.tasks.train.model import decoder_layers as layers_of
+
+    def peak(offload: bool):
+        torch.manual_seed(0)
+        lm = build_model("tiny-llama", vocab_size=97, packed=True, overrides=dict(OVERRIDES, hidden_size=1024))
+        lm = lm.to(device="cuda", dtype=torch.bfloat16)
+        apply_activation_checkpointing(layers_of(lm), "full", offload=offload)
+        model = CausalLMLoss(lm).train()
+        docs = [(np.random.default_rng(n).integers(3, 97, n), np.array([[1, n]], dtype=np.int32)) for n in (4096,) * 4]
+        batch = model_batch(collate(docs, packed_collator()), torch.device("cuda"), 97)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = model(**batch)
+        after_forward = torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach().float(), after_forward
+
+    loss, kept = peak(False)
+    got_loss, got_kept = peak(True)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=1e-3)
+    assert got_kept < kept
 
 
 def _llama(size: str):

@@ -22,6 +22,10 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     full = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing="full"), 1, H200)
     two = row_capacity(TrainOptions(model=LLAMA8B, nproc=2), 2, H200)
     lora = row_capacity(TrainOptions(model=LLAMA8B, lora=LoraSettings(rank=16)), 1, H200)
+    offload = row_capacity(
+        TrainOptions(model=LLAMA8B, activation_checkpointing="full", activation_offload=True), 1, H200
+    )
+    assert offload.tokens > 2 * full.tokens  # the 32 layer inputs go to the host: one layer's activations stay
     assert (off.parallel, off.mode, two.parallel, full.mode) == ("single", "off", "fsdp", "full")
     assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
     # one GPU, full fine-tuning: 14 bytes a parameter (bf16 weight, int16 master bits, fp32 moments, bf16 gradient)
