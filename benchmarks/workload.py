@@ -36,7 +36,7 @@ DOCS = {
     "packed": dict(median_length=600, sigma=1.0, min_length=16, max_length=4096),
     "long": dict(median_length=16384, sigma=0.7, min_length=4096, max_length=65536),
 }
-WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long"}
+WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": "long"}
 
 
 def sftflow(*args: str) -> list[str]:
