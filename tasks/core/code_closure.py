@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import threading
 from functools import cache
 
 from sftflow.tasks.core.fingerprint import sha256_text
 
 PACKAGE = "sftflow"
+# CPython 3.11's parser is not safe to run from several threads at once ("AST constructor recursion depth mismatch"):
+# the data stages compute their cache keys on a thread pool, and every thread's first key parses the sources.
+_PARSE_LOCK = threading.Lock()
 
 
 def module_source(name: str) -> str:
@@ -46,7 +50,9 @@ def imported_modules(name: str, source: str) -> frozenset[str]:
     """The sftflow modules `source` (of module `name`) imports anywhere in its body."""
     found: set[str] = set()
     package = name if importlib.util.find_spec(name).submodule_search_locations else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    with _PARSE_LOCK:
+        tree = ast.parse(source)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == PACKAGE)
         elif isinstance(node, ast.ImportFrom):
