@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -74,6 +75,15 @@ def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_pa
     replanned = state.result()
     assert replanned.sha256 != plan.sha256
     assert abs({s.name: s for s in replanned.stats.sources}["chat.jsonl"].planned_share - 0.6) < 0.03
+
+    # `tokens_per_rank: auto` becomes a number before the plan's cache key is made: the tiny preset fits rows up to its
+    # 2048 positions, and the same settings again are Cached.
+    auto = load_config(config_path, {"plan.tokens_per_rank": "auto", "plan.device_memory_gib": 4})
+    for expected in ("Completed", "Cached"):
+        state = sft_plan(config=auto, data=data, return_state=True)
+        assert task_states(state) == {"plan": [expected]}
+        with np.load(state.result().path) as arrays:
+            assert int(arrays["tokens_per_rank"]) == 2048
 
     # Training logs each step's trained tokens per source, and its loss and token accuracy per source and per tag.
     overrides = {"train.model": "tiny-llama", "train.max_steps": 3, "train.num_threads": 1}
