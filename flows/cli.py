@@ -287,7 +287,7 @@ def plan(
     num_ranks: Annotated[int | None, _option("plan.num_ranks")] = None,
     tokens_per_rank: Annotated[
         str | None,
-        _option("plan.tokens_per_rank", help="tokens in one packed row, or auto: the longest the GPUs' memory fits"),
+        _option("plan.tokens_per_rank", help="N|auto: tokens in one packed row, or the longest the GPUs' memory fits"),
     ] = None,
     force: Annotated[bool, typer.Option(help="recompute the plan, ignoring the cache")] = False,
     config: ConfigFile = None,
