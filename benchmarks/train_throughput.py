@@ -179,7 +179,7 @@ def make_data(args, vocab_size: int, rows_needed: int, num_ranks: int = 1):
             num_docs=n,
             vocab_size=vocab_size,
             median_length=args.median_length,
-            sigma=1.0,
+            sigma=args.sigma,
             min_length=args.min_length,
             max_length=args.max_length,
             loss_spans=True,
@@ -1146,6 +1146,7 @@ def parse_args(argv=None):
     p.add_argument("--row-tokens", type=int, default=16384)
     p.add_argument("--padded-batch", type=int, default=8)
     p.add_argument("--median-length", type=int, default=600)
+    p.add_argument("--sigma", type=float, default=1.0, help="of the lognormal document lengths")
     p.add_argument("--min-length", type=int, default=16)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=4)

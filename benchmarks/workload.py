@@ -1,6 +1,6 @@
 """Run a shipped training workload end to end through the `sftflow` commands, and report what a user gets.
 
-    python benchmarks/workload.py llama8b-16k [--steps 160] [--warmup 10] [--work DIR] [--out DIR] [--set K=V ...]
+    python benchmarks/workload.py llama8b-16k [--steps 160] [--warmup 10] [--baseline MODE] [--out DIR] [--set K=V ...]
 
 `benchmarks/workloads/NAME.yaml` is an ordinary run config (the file `sftflow run` and the stage commands take). This
 script writes mock documents of the workload's shape as a dataset index (random tokens, lognormal lengths, loss on
@@ -14,7 +14,9 @@ types:
 a dataset index is planned and trained without the pipeline's cache. It prints one JSON summary, from the run's
 `metrics.jsonl`: median tokens/s and MFU of the steps after `--warmup`; their aggregate (their tokens over the sum of
 their step times); the end-to-end rate (every token over the `sftflow train` command's wall time, start-up and
-compilation included); peak memory; and the activation checkpointing `auto` chose.
+compilation included); peak memory; and the activation checkpointing `auto` chose. With `--baseline MODE` it then
+runs `benchmarks/train_throughput.py --modes MODE` (under torchrun on as many ranks as the config trains on) on
+documents of the same shape, rows and timed steps, and adds its numbers and the two ratios: one call per comparison.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ DOCS = {
     "long": dict(median_length=16384, sigma=0.7, min_length=4096, max_length=65536),
 }
 WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": "long"}
+# The same model shapes in benchmarks/train_throughput.py, whose modes are the baselines.
+WORKLOAD_PRESET = {"llama8b-16k": "llama8b", "llama1b-64k": "llama1b", "llama8b-64k": "llama8b"}
+BASELINES = Path(__file__).resolve().parent / "train_throughput.py"
 
 
 def sftflow(*args: str) -> list[str]:
@@ -85,6 +90,39 @@ def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
     }
 
 
+def run_baseline(args, cfg, mode: str, work: Path) -> dict:
+    """`benchmarks/train_throughput.py --modes MODE` on documents of the workload's shape (its own draw, same seed),
+    the same rows, ranks (torchrun for several) and number of timed steps; its result."""
+    ranks = cfg.train.nproc * cfg.train.nnodes
+    preset = "tiny" if cfg.train.model == "tiny-llama" else WORKLOAD_PRESET[args.workload]
+    shape = DOCS[WORKLOAD_DOCS[args.workload]]
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    cmd = [*launch, str(BASELINES), "--preset", preset, "--modes", mode]
+    cmd += ["--device", "cpu" if cfg.train.device == "cpu" else "cuda", "--row-tokens", str(cfg.plan.tokens_per_rank)]
+    cmd += ["--median-length", str(shape["median_length"]), "--sigma", str(shape["sigma"])]
+    cmd += ["--min-length", str(shape["min_length"]), "--max-length", str(shape["max_length"])]
+    cmd += ["--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
+    cmd += ["--compile-warmup", str(args.warmup), "--breakdown-steps", "0", "--profile-steps", "0"]
+    cmd += ["--seed", str(args.seed), "--out", str(work / "baseline")]
+    code, wall, out = run(cmd, work / "baseline.log")
+    if code != 0:
+        raise SystemExit(f"baseline {mode} failed ({code}):\n{out[-4000:]}")
+    (result,) = json.loads((work / "baseline" / "train_throughput.json").read_text())["results"]
+    if "error" in result:
+        raise SystemExit(f"baseline {mode} failed: {result['error']}")
+    return {
+        "mode": mode,
+        "what": result["what"],
+        "timed_steps": result["timed_steps"],
+        "tokens_per_s_median": round(result["tokens_per_s"]),
+        "tokens_per_s_aggregate": round(result["tokens_per_s_aggregate"]),
+        "peak_memory_gib": None if result["peak_gib"] is None else round(result["peak_gib"], 1),
+        "command_wall_s": round(wall, 1),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=sorted(WORKLOAD_DOCS))
@@ -94,6 +132,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="copy the summary and the logs here")
     p.add_argument("--set", action="append", default=[], help="a config override passed to both commands")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="MODE",
+        help="then run benchmarks/train_throughput.py's MODE (Cac, Clac, Cn, ...) on the same shape, in this call",
+    )
     args = p.parse_args()
 
     from sftflow.flows.config import load_config
@@ -136,12 +180,18 @@ def main() -> None:
         "plan_s": round(plan_s, 1),
         **summarize(work / "run" / "metrics.jsonl", args.warmup, train_s, out),
     }
+    if args.baseline is not None:
+        baseline = run_baseline(args, cfg, args.baseline, work)
+        summary["baseline"] = baseline
+        summary["ratio_median"] = round(summary["tokens_per_s_median"] / baseline["tokens_per_s_median"], 3)
+        summary["ratio_aggregate"] = round(summary["tokens_per_s_aggregate"] / baseline["tokens_per_s_aggregate"], 3)
     print(f"[workload] {json.dumps(summary)}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.workload}.json").write_text(json.dumps(summary, indent=2))
-        for name in ("plan.log", "train.log"):
-            (args.out / f"{args.workload}-{name}").write_text((work / name).read_text())
+        for name in ("plan.log", "train.log", "baseline.log"):
+            if (work / name).is_file():
+                (args.out / f"{args.workload}-{name}").write_text((work / name).read_text())
         (args.out / f"{args.workload}-metrics.jsonl").write_text((work / "run" / "metrics.jsonl").read_text())
 
 
