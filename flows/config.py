@@ -359,7 +359,9 @@ def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
     if section["tokens_per_rank"] == "auto":
         from sftflow.tasks.train.capacity import row_capacity
 
-        section["tokens_per_rank"] = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size).tokens
+        # gradient accumulation (several micro-batches, or as many as a token target needs) keeps fp32 gradients
+        accumulating = (section["micro_batches_per_step"] or 1) > 1 or section["target_tokens_per_step"] is not None
+        section["tokens_per_rank"] = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size, accumulating).tokens
     mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
     return PlanConfig(num_ranks=num_ranks, mixture=mixture, **section)
 

@@ -49,8 +49,15 @@ def device_free_bytes(memory_gib: float | None) -> int:
     return torch.cuda.mem_get_info(0)[0]
 
 
-def row_capacity(train, num_ranks: int, memory_gib: float | None = None, vocab_size: int | None = None) -> RowCapacity:
-    """The longest row `train` (the run config's `train` section) fits on each of `num_ranks` GPUs."""
+def row_capacity(
+    train,
+    num_ranks: int,
+    memory_gib: float | None = None,
+    vocab_size: int | None = None,
+    accumulating: bool = False,
+) -> RowCapacity:
+    """The longest row `train` (the run config's `train` section) fits on each of `num_ranks` GPUs; `accumulating`:
+    a step adds up several micro-batches (fp32 gradients on one GPU)."""
     from transformers import AutoModelForCausalLM
 
     from sftflow.tasks.train.lora import apply_lora
@@ -78,6 +85,7 @@ def row_capacity(train, num_ranks: int, memory_gib: float | None = None, vocab_s
         world_size=num_ranks,
         total_params=sum(p.numel() for p in lm.parameters()),
         num_layers=len(decoder_layers(lm)),
+        accumulating=accumulating,
     )
     mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
     tokens = max_row_tokens(config, mode, state, free, offload=train.activation_offload and mode != "off")
@@ -88,8 +96,8 @@ def row_capacity(train, num_ranks: int, memory_gib: float | None = None, vocab_s
         more = "" if mode == "full" else "; train.activation_checkpointing: full leaves more room, or "
         raise ValueError(
             f"plan.tokens_per_rank: auto: {train.model}'s weights and optimizer state (~{state / GIB:.1f} GiB a GPU "
-            f"on the {parallel} path) leave no room for a row in {free / GIB:.1f} GiB{more or '; '}train LoRA "
-            "(train.lora) or on more GPUs (train.nproc)"
+            f"on the {parallel} path) leave no room for a row of 1,024 tokens in {free / GIB:.1f} GiB"
+            f"{more or '; '}train LoRA (train.lora) or on more GPUs (train.nproc)"
         )
     capacity = RowCapacity(tokens=tokens, mode=mode, parallel=parallel, free_bytes=free, state_bytes=state)
     log.info(capacity.describe())

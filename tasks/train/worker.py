@@ -421,6 +421,7 @@ def build_run(run_dir: Path) -> Run:
         trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
         frozen_bytes=frozen_weight_bytes(lm, config.quantize), parallel=parallel, world_size=env.world_size,
         total_params=sum(p.numel() for p in lm.parameters()), num_layers=len(layers),
+        accumulating=plan.micro_batches_per_step > 1,
     )  # fmt: skip
     offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(

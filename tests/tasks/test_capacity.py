@@ -30,6 +30,11 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
     # one GPU, full fine-tuning: 14 bytes a parameter (bf16 weight, int16 master bits, fp32 moments, bf16 gradient)
     assert off.state_bytes == pytest.approx(14 * 8_030_261_248)
+    # fp32 gradients once micro-batches add up: 16 bytes a parameter, and rows only with checkpointing
+    accumulating = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing="full"), 1, H200, None, True)
+    assert accumulating.state_bytes == pytest.approx(16 * 8_030_261_248) and accumulating.tokens < full.tokens
+    with pytest.raises(ValueError, match="no room"):
+        row_capacity(TrainOptions(model=LLAMA8B), 1, H200, accumulating=True)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(LLAMA8B)
@@ -42,7 +47,8 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
 
 
 def test_a_model_that_leaves_no_room_and_a_machine_without_a_gpu_say_what_to_do():
-    with pytest.raises(ValueError, match=r"leave no room for a row in 80\.0 GiB.*activation_checkpointing: full"):
+    message = r"no room for a row of 1,024 tokens in 80\.0 GiB.*activation_checkpointing: full"
+    with pytest.raises(ValueError, match=message):
         row_capacity(TrainOptions(model=LLAMA8B), 1, 80.0)
     import torch
 
@@ -56,6 +62,11 @@ def test_the_plan_config_holds_the_number_auto_became():
         {"plan": {"tokens_per_rank": "auto", "device_memory_gib": H200}, "train": {"model": LLAMA8B}}
     )
     assert plan_config(cfg).tokens_per_rank == row_capacity(cfg.train, 1, H200).tokens
+    lora = SFTConfig.model_validate(
+        {"plan": {"tokens_per_rank": "auto", "device_memory_gib": H200, "micro_batches_per_step": 4},
+         "train": {"model": LLAMA8B, "lora": {"rank": 16}}}
+    )  # fmt: skip
+    assert plan_config(lora).tokens_per_rank == row_capacity(lora.train, 1, H200, accumulating=True).tokens
     tiny = SFTConfig.model_validate({"plan": {"tokens_per_rank": "auto", "device_memory_gib": 8}})
     assert plan_config(tiny, vocab_size=512).tokens_per_rank == 2048  # the preset's max_position_embeddings
     with pytest.raises(ValueError):
