@@ -13,8 +13,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from sftflow.tasks.train.activations import max_row_tokens, state_bytes
+from sftflow.tasks.train.config import parallel_path
 
 log = logging.getLogger("sftflow.plan")
 GIB = 2**30
@@ -34,6 +36,23 @@ class RowCapacity:
             f"path, {self.state_bytes / GIB:.1f} GiB of weights and optimizer state in {self.free_bytes / GIB:.1f} "
             "GiB)"
         )
+
+
+def model_state_bytes(lm: nn.Module, quantize: str, parallel: str, world_size: int, accumulating: bool) -> float:
+    """`state_bytes` of `lm` as built for training (a meta model will do): its trained and frozen parameters, the
+    frozen ones at the size `quantize` holds them in, on `parallel` over `world_size` ranks."""
+    from sftflow.tasks.train.model import decoder_layers
+    from sftflow.tasks.train.quantize import frozen_weight_bytes
+
+    return state_bytes(
+        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
+        frozen_bytes=frozen_weight_bytes(lm, quantize),
+        parallel=parallel,
+        world_size=world_size,
+        total_params=sum(p.numel() for p in lm.parameters()),
+        num_layers=len(decoder_layers(lm)),
+        accumulating=accumulating,
+    )
 
 
 def device_free_bytes(memory_gib: float | None) -> int:
@@ -61,8 +80,7 @@ def row_capacity(
     from transformers import AutoModelForCausalLM
 
     from sftflow.tasks.train.lora import apply_lora
-    from sftflow.tasks.train.model import PRESETS, decoder_layers, model_config
-    from sftflow.tasks.train.quantize import frozen_weight_bytes
+    from sftflow.tasks.train.model import PRESETS, model_config
 
     free = device_free_bytes(memory_gib)
     stand_in = max(vocab_size or 0, 256) if train.model in PRESETS else vocab_size
@@ -77,16 +95,8 @@ def row_capacity(
         lm = AutoModelForCausalLM.from_config(config)
         if train.lora is not None:
             apply_lora(lm, train.lora, train.model)
-    parallel = train.parallel if train.parallel != "auto" else ("single" if num_ranks == 1 else "fsdp")
-    state = state_bytes(
-        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
-        frozen_bytes=frozen_weight_bytes(lm, train.quantize),
-        parallel=parallel,
-        world_size=num_ranks,
-        total_params=sum(p.numel() for p in lm.parameters()),
-        num_layers=len(decoder_layers(lm)),
-        accumulating=accumulating,
-    )
+    parallel = parallel_path(train.parallel, num_ranks, "cuda")  # sized for the GPUs that will train
+    state = model_state_bytes(lm, train.quantize, parallel, num_ranks, accumulating)
     mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
     tokens = max_row_tokens(config, mode, state, free, offload=train.activation_offload and mode != "off")
     limit = getattr(config, "max_position_embeddings", None)

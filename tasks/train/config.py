@@ -283,3 +283,13 @@ def metrics_config(c: TrainConfig, peak_flops: float | None) -> MetricsConfig:
     return MetricsConfig(
         path=c.run_dir / "metrics.jsonl", ema_alpha=c.ema_alpha, log_every=c.log_every, peak_flops=peak_flops
     )
+
+
+def parallel_path(parallel: str, world_size: int, device_type: str) -> str:
+    """The training path `parallel` resolves to: `auto` is `single` on one CUDA device (where FSDP only adds copies),
+    `fsdp` otherwise."""
+    if parallel == "single" and world_size > 1:
+        raise ValueError(f"parallel='single' trains in one process, but the world has {world_size} ranks")
+    if parallel == "auto":
+        return "single" if world_size == 1 and device_type == "cuda" else "fsdp"
+    return parallel

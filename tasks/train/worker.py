@@ -28,12 +28,9 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from sftflow.tasks.train import config as cfg
-from sftflow.tasks.train.activations import (
-    apply_activation_checkpointing,
-    resolve_activation_checkpointing,
-    state_bytes,
-)
+from sftflow.tasks.train.activations import apply_activation_checkpointing, resolve_activation_checkpointing
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
+from sftflow.tasks.train.capacity import model_state_bytes
 from sftflow.tasks.train.checkpoint import (
     Checkpointer,
     ModelState,
@@ -64,7 +61,7 @@ from sftflow.tasks.train.model import (
     layer_windows,
     model_batch,
 )
-from sftflow.tasks.train.quantize import export_state_dict, frozen_weight_bytes, quantize_base
+from sftflow.tasks.train.quantize import export_state_dict, quantize_base
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
@@ -88,12 +85,8 @@ def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.A
 
 
 def resolve_parallel(parallel: str, env: DistEnv) -> str:
-    """`auto`: `single` on one CUDA device (where FSDP only adds copies), `fsdp` otherwise."""
-    if parallel == "single" and env.world_size > 1:
-        raise ValueError(f"parallel='single' trains in one process, but the world has {env.world_size} ranks")
-    if parallel == "auto":
-        return "single" if env.world_size == 1 and env.device.type == "cuda" else "fsdp"
-    return parallel
+    """`cfg.parallel_path` in this process group."""
+    return cfg.parallel_path(parallel, env.world_size, env.device.type)
 
 
 def parallelize(
@@ -417,12 +410,7 @@ def build_run(run_dir: Path) -> Run:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
     parallel = resolve_parallel(config.parallel, env)
     layers = decoder_layers(lm)
-    state = state_bytes(
-        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
-        frozen_bytes=frozen_weight_bytes(lm, config.quantize), parallel=parallel, world_size=env.world_size,
-        total_params=sum(p.numel() for p in lm.parameters()), num_layers=len(layers),
-        accumulating=plan.micro_batches_per_step > 1,
-    )  # fmt: skip
+    state = model_state_bytes(lm, config.quantize, parallel, env.world_size, plan.micro_batches_per_step > 1)
     offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload
