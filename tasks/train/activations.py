@@ -9,8 +9,8 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 - `selective`: every `every`-th layer (default 2: half the layers), half the saving for half the cost;
 - `off`;
 - `activation_offload` (with selective or full): the inputs the checkpointed layers keep wait in pinned host memory,
-  so full checkpointing keeps only the layer being recomputed on the device, for two copies of each layer's input
-  over the host link per step;
+  so full checkpointing keeps only the layer being recomputed (and the next one's input) on the device, for two
+  copies of each layer's input over the host link per step, on a side stream that overlaps the compute;
 - `auto`: off on a CPU; on a GPU, the cheapest of off, selective and full whose estimated peak for a planned row
   fits in the memory the device has free (`choose_checkpointing`). The estimate is the weights, masters, moments and
   gradients of the run's training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`,
@@ -21,6 +21,8 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,11 +53,14 @@ def activation_bytes_per_token(config, mode: str, offload: bool = False) -> floa
     layer keeps its bf16 input (in host memory with `offload`); while one layer is recomputed in the backward, its
     activations are live as well."""
     layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
+    # With offload, the kept inputs wait on the host; the one copied back ahead of its layer's recompute is on the
+    # device next to the layer being recomputed.
     kept_input = 0 if offload else 2 * config.hidden_size
     if mode == "off":
         return layers * one
     checkpointed = layers if mode == "full" else (layers + 1) // 2  # selective: every second layer
-    return checkpointed * kept_input + (layers - checkpointed) * one + one
+    prefetched = 2 * config.hidden_size if offload else 0
+    return checkpointed * kept_input + (layers - checkpointed) * one + one + prefetched
 
 
 def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_size: int, total_params: int,
@@ -111,7 +116,7 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
     chosen = layers if mode == "full" else layers[::every]
     func = partial(checkpoint, use_reentrant=False)
     if offload:
-        func = partial(_offloaded, func)
+        func = partial(_offloaded, HostOffload(), func)
     for layer in chosen:
         if not hasattr(layer, "gradient_checkpointing"):
             raise ValueError(
@@ -124,37 +129,110 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: in
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of at least `min_bytes` on a GPU go to pinned host memory when saved and come back when the
-    backward needs them. Both copies are queued on the current stream without waiting for it (`non_blocking`): the
-    device memory a tensor leaves is reused only by work queued after its copy, and the pinned buffer is kept until
-    the copy back has run (torch's host allocator records the copy's stream). Small tensors and tensors on other
-    devices than `device_type` stay.
+    """Saved tensors of at least `min_bytes` on a `device_type` device go to pinned host memory when saved and come
+    back when the backward needs them; smaller ones, and tensors on other devices, stay.
 
-    Around a non-reentrant checkpoint this catches exactly the inputs the checkpoint keeps for its recompute: inside
-    the checkpointed region the checkpoint's own hooks take precedence and keep nothing."""
+    On a GPU both copies run on a side stream, so they overlap the layers' compute:
+    - saving: the side stream waits for the tensor to be written, copies it out, and the device memory is reused only
+      after that copy (`record_stream`);
+    - the backward takes saved tensors in the reverse order of the forward (layer by layer), so when one comes back
+      the copy back of the one saved just before it starts at once, and is ready by the time the backward reaches it.
+      At most one such copy is in flight: one layer input more on the device.
+
+    One object serves every checkpointed layer of a model (it keeps the order they saved in, as weak references: a
+    forward whose graph is dropped leaves nothing behind). Around a non-reentrant checkpoint it catches exactly the
+    inputs the checkpoint keeps for its recompute: inside the checkpointed region the checkpoint's own hooks take
+    precedence and keep nothing."""
 
     def __init__(self, min_bytes: int = 1 << 20, device_type: str = "cuda"):
+        self.min_bytes, self.device_type = min_bytes, device_type
         self.moved = 0  # tensors sent to the host so far
+        self.prefetched = 0  # tensors whose copy back had started before the backward asked for them
+        self._saved: list[weakref.ref[_Offloaded]] = []  # forward order
+        self._stream: torch.cuda.Stream | None = None
+        super().__init__(self._pack, self._unpack)
 
-        def pack(tensor: torch.Tensor):
-            if tensor.device.type != device_type or tensor.numel() * tensor.element_size() < min_bytes:
-                return tensor
-            self.moved += 1
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            host.copy_(tensor, non_blocking=True)
-            return (tensor.device, host)
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            device, host = packed
-            return host.to(device, non_blocking=True)
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.device.type != self.device_type or tensor.numel() * tensor.element_size() < self.min_bytes:
+            return tensor
+        self.moved += 1
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        stream = self._side_stream(tensor.device)
+        if stream is None:
+            host.copy_(tensor)
+            saved = _Offloaded(tensor.device, host)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)
+            # The copy back is queued on the same stream, so it follows this one without an event.
+            saved = _Offloaded(tensor.device, host)
+        self._saved.append(weakref.ref(saved))
+        return saved
 
-        super().__init__(pack, unpack)
+    def _unpack(self, saved):
+        if not isinstance(saved, _Offloaded):
+            return saved
+        if saved.back is None:
+            self._copy_back(saved)
+        else:
+            self.prefetched += 1
+        back, ready = saved.back, saved.ready
+        saved.back = saved.ready = None
+        if ready is not None:
+            torch.cuda.current_stream(back.device).wait_event(ready)
+            back.record_stream(torch.cuda.current_stream(back.device))
+        self._forget(saved)
+        following = self._last_alive()
+        if following is not None and following.back is None:
+            self._copy_back(following)
+        return back
+
+    def _copy_back(self, saved: _Offloaded) -> None:
+        """Start copying `saved` back to its device: on the side stream after its copy out, on a GPU."""
+        stream = self._side_stream(saved.device)
+        if stream is None:
+            saved.back = saved.host.clone()
+            return
+        with torch.cuda.stream(stream):
+            saved.back = saved.host.to(saved.device, non_blocking=True)
+            saved.ready = stream.record_event()
+
+    def _forget(self, saved: _Offloaded) -> None:
+        for i in range(len(self._saved) - 1, -1, -1):
+            if self._saved[i]() is saved:
+                del self._saved[i]
+                return
+
+    def _last_alive(self) -> _Offloaded | None:
+        while self._saved:
+            saved = self._saved[-1]()
+            if saved is not None:
+                return saved
+            self._saved.pop()
+        return None
 
 
-def _offloaded(checkpoint_fn, fn, *args, **kwargs):
-    with HostOffload():
+@dataclass(eq=False)
+class _Offloaded:
+    """A saved tensor in host memory, and its copy back once started (`ready`: the side stream's event for it)."""
+
+    device: torch.device
+    host: torch.Tensor
+    back: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+
+def _offloaded(offload: HostOffload, checkpoint_fn, fn, *args, **kwargs):
+    with offload:
         return checkpoint_fn(fn, *args, **kwargs)
 
 

@@ -108,6 +108,40 @@ def test_host_offload_takes_exactly_what_a_checkpoint_keeps():
     assert small.moved == 0  # 8 KiB stays
 
 
+def test_host_offload_brings_each_input_back_before_the_backward_reaches_it():
+    """One `HostOffload` around a stack of checkpointed layers: the backward takes their inputs back in reverse
+    order, and each one but the last layer's had started coming back (prefetched) when asked for; the gradients are
+    those of the stack without offload."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(5)]
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run(offload: HostOffload | None):
+        h = x
+        for layer in layers:
+            if offload is None:
+                h = checkpoint(layer, h, use_reentrant=False)
+            else:
+                with offload:
+                    h = checkpoint(layer, h, use_reentrant=False)
+        return torch.autograd.grad(h.square().sum(), [x, *layers[0].parameters()])
+
+    want = run(None)
+    offload = HostOffload(min_bytes=0, device_type="cpu")
+    got = run(offload)
+    assert offload.moved == 5
+    assert offload.prefetched == 4  # every input but the last layer's, which the backward asks for first
+    assert offload._saved == []  # nothing left behind
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    # A forward whose graph is dropped leaves no host copies referenced.
+    with offload:
+        checkpoint(layers[0], x, use_reentrant=False)
+    assert offload._last_alive() is None
+
+
 @pytest.mark.gpu
 def test_offloaded_checkpoints_keep_less_on_the_gpu():
     """What the forward leaves allocated for the backward is smaller with the checkpointed inputs on the host, and
@@ -128,11 +162,17 @@ def test_offloaded_checkpoints_keep_less_on_the_gpu():
         after_forward = torch.cuda.memory_allocated()
         loss.backward()
         torch.cuda.synchronize()
-        return loss.detach().float(), after_forward
+        grads = {n: p.grad.float() for n, p in lm.named_parameters() if p.grad is not None}
+        offloads = {id(layer._gradient_checkpointing_func.args[0]) for layer in layers_of(lm) if offload}
+        return loss.detach().float(), after_forward, grads, len(offloads)
 
-    loss, kept = peak(False)
-    got_loss, got_kept = peak(True)
-    torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=1e-3)
+    loss, kept, grads, _ = peak(False)
+    got_loss, got_kept, got_grads, offloads = peak(True)
+    assert offloads == 1  # one HostOffload for the model, so the copies back run ahead of the backward
+    # The copies run on a side stream: the step is the same computation, bit for bit.
+    assert torch.equal(got_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(got_grads[name], grad), name
     assert got_kept < kept
 
 
