@@ -211,16 +211,41 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     if D > 128:  # shallower tiles: the D=128 grid's deep ones do not fit shared memory at D=256
         grids = {
             "fwd": [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 3), (128, 32, 8, 2)],
-            "dkdv": [(32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
+            # ... and split dV/dK passes (a fifth field): one fp32 accumulator a program, so deeper key tiles
+            "dkdv": [
+                (32, 32, 8, 2),
+                (32, 32, 4, 2),
+                (16, 32, 4, 2),
+                (32, 64, 8, 2),
+                (16, 64, 4, 2),
+                (32, 64, 4, 2, True),
+                (32, 64, 8, 2, True),
+                (64, 64, 8, 2, True),
+                (32, 128, 8, 2, True),
+                (16, 128, 8, 2, True),
+                (64, 128, 8, 2, True),
+            ],
             "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2), (32, 64, 8, 2)],
         }
 
+    def grads(config):
+        o = triton_varlen_attention(q, k, v, cu, max_len, scale, config=config)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    want = grads(current)
+
     def time_config(config):
         def fb():
-            o = triton_varlen_attention(q, k, v, cu, max_len, scale, config=config)
-            return torch.autograd.grad(o, (q, k, v), do)
+            return grads(config)[1:]
 
         try:
+            # A config that computes something else is not a candidate: its output and gradients must agree with
+            # the default config's to bf16 rounding.
+            got = grads(config)
+            errs = [((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want, strict=True)]
+            if max(errs) > 1e-2:
+                print(f"sweep H={H} K={K} D={D} {config}: wrong (relative errors {errs})", flush=True)
+                return float("inf")
             ms = do_bench(fb, warmup=50, rep=300, return_mode="median")
         except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
             print(f"sweep H={H} K={K} D={D} {config}: failed {type(err).__name__}", flush=True)
@@ -229,8 +254,12 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
         return ms
 
     for part, grid in grids.items():
-        trials = [{**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-                  for bm, bn, w, st in grid]  # fmt: skip
+        trials = []
+        for bm, bn, w, st, *split in grid:
+            trial = {**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            if part == "dkdv":
+                trial["SPLIT"] = bool(split and split[0])
+            trials.append(trial)
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
     for part in grids:
         trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]

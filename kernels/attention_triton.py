@@ -48,8 +48,14 @@ NO_WINDOW = 2**30
 # Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
 # benchmarks/RESULTS.md). The backward runs two kernels: dK/dV (a program per key block, looping over its group's
 # query heads) and dQ (a program per query block), each with its own shape.
-def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4) -> dict:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, ORDER=order)
+def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4, split: bool = False) -> dict:
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, ORDER=order)
+    return {**cfg, "SPLIT": True} if split else cfg
+
+
+# D=256 dK/dV in two passes (dV, then dK), each with one 128-key fp32 accumulator: 1.24x the single pass with two
+# 32-64-key accumulators on long documents, 1.07x on packed rows, for recomputing the scores once more.
+_SPLIT_256 = _cfg(32, 128, 2, "row", 8, split=True)
 
 
 CONFIGS = {
@@ -58,16 +64,8 @@ CONFIGS = {
     (128, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
     (128, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
     # Gemma 3 (D=256): shallower tiles, so that K/V stages and the fp32 accumulators fit shared memory and registers
-    (256, False): {
-        "fwd": _cfg(64, 32, 2, "row"),
-        "dkdv": _cfg(32, 32, 2, "row"),
-        "dq": _cfg(128, 32, 2, "row", 8),
-    },
-    (256, True): {
-        "fwd": _cfg(64, 32, 2, "row"),
-        "dkdv": _cfg(32, 32, 2, "row"),
-        "dq": _cfg(128, 32, 2, "row", 8),
-    },
+    (256, False): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, True): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
 }
 # Rows whose longest document has at least LONG_DOC tokens: that document holds nearly all of the row's attention work
 # (an 8192-token document does 14x the work of 8192 tokens of 600-token ones) and few of its blocks are masked, so
@@ -80,8 +78,8 @@ CONFIGS_LONG = {
     (64, True): _LONG_64,
     (128, False): _LONG_128,
     (128, True): _LONG_128,
-    (256, False): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _cfg(32, 64, 2, "lpt", 8), "dq": _cfg(128, 32, 2, "row", 8)},
-    (256, True): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _cfg(32, 64, 2, "lpt", 8), "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, False): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, True): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
 }
 SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
 
@@ -297,7 +295,10 @@ def _bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    PART: tl.constexpr = 0,
 ):
+    # PART 0 computes dK and dV; 1 only dV and 2 only dK (a split pass: one fp32 accumulator per program instead of
+    # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass).
     pid = tl.program_id(0)
     kh = pid % K
     n0 = tl.load(order_ptr + pid // K) * BLOCK_N
@@ -330,21 +331,25 @@ def _bwd_dkdv_kernel(
                 start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=offs_m < T, other=T), offs_m - WINDOW + 1)
                 visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] >= start_m[None, :])
                 p_t = tl.where(visible, p_t, 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+            if PART != 2:
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+            if PART != 1:
+                dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
-    tl.store(
-        dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
-        (dk * scale).to(dk_ptr.dtype.element_ty),
-        mask=kd_mask,
-    )
-    tl.store(
-        dv_ptr + offs_n[:, None] * stride_dvt + kh * stride_dvh + offs_d[None, :],
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=kd_mask,
-    )
+    if PART != 1:
+        tl.store(
+            dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
+            (dk * scale).to(dk_ptr.dtype.element_ty),
+            mask=kd_mask,
+        )
+    if PART != 2:
+        tl.store(
+            dv_ptr + offs_n[:, None] * stride_dvt + kh * stride_dvh + offs_d[None, :],
+            dv.to(dv_ptr.dtype.element_ty),
+            mask=kd_mask,
+        )
 
 
 @triton.jit
@@ -515,32 +520,36 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     (order_kv, cfg_kv), (order_q, cfg_q) = _launch(config["dkdv"]), _launch(config["dq"])
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)
-    _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
-        q,
-        k,
-        v,
-        do,
-        dk,
-        dv,
-        lse,
-        delta,
-        layout.seq_start,
-        layout.seq_end,
-        layout.order("k", cfg_kv["BLOCK_N"], order_kv, window),
-        *strides_in,
-        dk.stride(0),
-        dk.stride(1),
-        dv.stride(0),
-        dv.stride(1),
-        T,
-        D,
-        K,
-        scale * LOG2E,
-        scale,
-        window,
-        **common,
-        **cfg_kv,
-    )
+    # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART).
+    split = cfg_kv.pop("SPLIT", False)
+    for part in (1, 2) if split else (0,):
+        _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
+            q,
+            k,
+            v,
+            do,
+            dk,
+            dv,
+            lse,
+            delta,
+            layout.seq_start,
+            layout.seq_end,
+            layout.order("k", cfg_kv["BLOCK_N"], order_kv, window),
+            *strides_in,
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            T,
+            D,
+            K,
+            scale * LOG2E,
+            scale,
+            window,
+            **common,
+            **cfg_kv,
+            PART=part,
+        )
     _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
         q,
         k,

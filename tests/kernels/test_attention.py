@@ -119,9 +119,10 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # Tile shapes as the GPU uses them (BLOCK_M != BLOCK_N both ways), both program orders, and a head dim that is not a
 # power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
 # inside it, and masked blocks on the diagonal and the end.
-def _tiles(fwd_m, fwd_n, kv_m, kv_n, order):
+# "split" runs dV and dK as two passes of the key-block kernel.
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False):
     fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1}
-    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n}, "dq": fwd}
+    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": fwd}
 
 
 TILES = {
@@ -129,6 +130,7 @@ TILES = {
     "m32_n16_row": _tiles(32, 16, 16, 32, "row"),
     "m16_n32_lpt": _tiles(16, 32, 32, 16, "lpt"),
     "m16_n32_row": _tiles(16, 32, 32, 16, "row"),
+    "m32_n16_lpt_split": _tiles(32, 16, 16, 32, "lpt", split=True),
 }
 
 
