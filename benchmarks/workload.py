@@ -73,7 +73,7 @@ def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
     timed = [r for r in records if r["step"] > warmup]
     if not timed:
         raise SystemExit(f"{metrics}: no steps after the {warmup} warm-up steps")
-    chosen = re.findall(r"activation checkpointing auto: (\w+)", log)
+    chosen = re.findall(r"activation checkpointing auto: (.+?) for rows", log)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {

@@ -8,11 +8,13 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 - `full`: every decoder layer; activation memory drops to about one layer's input per layer, for ~1/3 more compute;
 - `selective`: every `every`-th layer (default 2: half the layers), half the saving for half the cost;
 - `off`;
+- a number N: N decoder layers, spread evenly over the stack;
 - `activation_offload` (with selective or full): the inputs the checkpointed layers keep wait in pinned host memory,
   so full checkpointing keeps only the layer being recomputed (and the next one's input) on the device, for two
   copies of each layer's input over the host link per step, on a side stream that overlaps the compute;
-- `auto`: off on a CPU; on a GPU, the cheapest of off, selective and full whose estimated peak for a planned row
-  fits in the memory the device has free (`choose_checkpointing`). The estimate is the weights, masters, moments and
+- `auto`: off on a CPU; on a GPU, the fewest checkpointed layers (none, some, or all) whose estimated peak for a
+  planned row fits in the memory the device has free (`choose_checkpointing`), so only as much of the step is
+  recomputed as the memory asks for. The estimate is the weights, masters, moments and
   gradients of the run's training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`,
   measured on an H200), and it also gives the longest row each mode fits (`max_row_tokens`), which
   `sftflow plan --tokens-per-rank auto` uses.
@@ -48,17 +50,33 @@ def layer_bytes_per_token(config) -> float:
     return SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
 
 
-def activation_bytes_per_token(config, mode: str, offload: bool = False) -> float:
-    """Bytes one row token keeps on the device for the backward, model-wide, with checkpointing `mode`. A checkpointed
-    layer keeps its bf16 input (in host memory with `offload`); while one layer is recomputed in the backward, its
-    activations are live as well."""
+def checkpointed_layers(mode: str | int, num_layers: int) -> int:
+    """How many of `num_layers` decoder layers checkpointing `mode` recomputes: none (off), all (full), every second
+    one (selective), or a count of them."""
+    if isinstance(mode, int):
+        return min(max(mode, 0), num_layers)
+    return {"off": 0, "full": num_layers, "selective": (num_layers + 1) // 2}[mode]
+
+
+def checkpointing_label(mode: str | int, num_layers: int) -> str:
+    """`off`, `full`, `selective`, or "N of L layers" for a count in between."""
+    if isinstance(mode, str):
+        return mode
+    count = checkpointed_layers(mode, num_layers)
+    return "off" if count == 0 else "full" if count == num_layers else f"{count} of {num_layers} layers"
+
+
+def activation_bytes_per_token(config, mode: str | int, offload: bool = False) -> float:
+    """Bytes one row token keeps on the device for the backward, model-wide, with checkpointing `mode` (or that many
+    checkpointed layers). A checkpointed layer keeps its bf16 input (in host memory with `offload`); while one layer is
+    recomputed in the backward, its activations are live as well."""
     layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
     # With offload, the kept inputs wait on the host; the one copied back ahead of its layer's recompute is on the
     # device next to the layer being recomputed.
     kept_input = 0 if offload else 2 * config.hidden_size
-    if mode == "off":
+    checkpointed = checkpointed_layers(mode, layers)
+    if checkpointed == 0:
         return layers * one
-    checkpointed = layers if mode == "full" else (layers + 1) // 2  # selective: every second layer
     prefetched = 2 * config.hidden_size if offload else 0
     return checkpointed * kept_input + (layers - checkpointed) * one + one + prefetched
 
@@ -78,14 +96,14 @@ def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_s
     return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
 
 
-def fits(config, mode: str, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> bool:
+def fits(config, mode: str | int, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> bool:
     """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode`."""
     need = state + row_tokens * activation_bytes_per_token(config, mode, offload) + OVERHEAD_BYTES
     return need <= USABLE_FRACTION * free_bytes
 
 
 def max_row_tokens(
-    config, mode: str, state: float, free_bytes: int, multiple: int = 1024, offload: bool = False
+    config, mode: str | int, state: float, free_bytes: int, multiple: int = 1024, offload: bool = False
 ) -> int:
     """The longest row (a multiple of `multiple` tokens) that likely fits beside `state` with checkpointing `mode`;
     0 when even the state does not fit."""
@@ -94,26 +112,37 @@ def max_row_tokens(
     return tokens // multiple * multiple
 
 
-def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> str:
-    """`auto`'s choice: the cheapest mode whose estimate fits: off, then selective (half the layers recomputed),
-    then full (`full` also when nothing fits: the run then fails with the device's own out-of-memory error)."""
-    for mode in ("off", "selective"):
-        if fits(config, mode, row_tokens, state, free_bytes, offload):
-            return mode
-    return "full"
+def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> int:
+    """`auto`'s choice: the fewest decoder layers to checkpoint for the estimate to fit, so no more of the step is
+    recomputed than the memory asks for (all of them also when nothing fits: the run then fails with the device's own
+    out-of-memory error). Each layer left out of checkpointing keeps one layer's activations instead of its input."""
+    layers = config.num_hidden_layers
+    for count in range(layers):
+        if fits(config, count, row_tokens, state, free_bytes, offload):
+            return count
+    return layers
 
 
-def apply_activation_checkpointing(layers: list[nn.Module], mode: str, every: int = 2, offload: bool = False) -> int:
-    """Turn checkpointing on for the decoder `layers` (all for `full`, every `every`-th for `selective`); returns how
-    many. The layers' `gradient_checkpointing` flag is what transformers' `gradient_checkpointing_enable` sets. With
-    `offload`, the input each checkpointed layer keeps waits for the backward in host memory (`HostOffload`)."""
+def apply_activation_checkpointing(
+    layers: list[nn.Module], mode: str | int, every: int = 2, offload: bool = False
+) -> int:
+    """Turn checkpointing on for the decoder `layers` (all for `full`, every `every`-th for `selective`, or a count of
+    them spread evenly over the stack); returns how many. The layers' `gradient_checkpointing` flag is what
+    transformers' `gradient_checkpointing_enable` sets. With `offload`, the input each checkpointed layer keeps waits
+    for the backward in host memory (`HostOffload`)."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
 
-    if mode == "off":
+    if isinstance(mode, int):
+        count = checkpointed_layers(mode, len(layers))
+        chosen = [layers[i * len(layers) // count] for i in range(count)] if count else []
+    elif mode == "off":
+        chosen = []
+    else:
+        chosen = layers if mode == "full" else layers[::every]
+    if not chosen:
         return 0
-    chosen = layers if mode == "full" else layers[::every]
     func = partial(checkpoint, use_reentrant=False)
     if offload:
         func = partial(_offloaded, HostOffload(), func)
@@ -237,20 +266,22 @@ def _offloaded(offload: HostOffload, checkpoint_fn, fn, *args, **kwargs):
 
 
 def resolve_activation_checkpointing(
-    mode: str, device: torch.device, config, row_tokens: int, state: float, offload: bool = False
-) -> str:
-    """The checkpointing mode to apply: `mode` itself, or for `auto`, off on a CPU and `choose_checkpointing` against
-    the device's free memory on a GPU (`state`: `state_bytes` of this run)."""
+    mode: str | int, device: torch.device, config, row_tokens: int, state: float, offload: bool = False
+) -> str | int:
+    """The checkpointing to apply: `mode` itself, or for `auto`, off on a CPU and on a GPU `choose_checkpointing`'s
+    count of layers against the device's free memory (`state`: `state_bytes` of this run)."""
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "off"
     free, _ = torch.cuda.mem_get_info(device)
-    chosen = choose_checkpointing(config, row_tokens, state, free, offload)
+    layers = config.num_hidden_layers
+    count = choose_checkpointing(config, row_tokens, state, free, offload)
+    chosen = "off" if count == 0 else "full" if count == layers else count
     longest = {m: max_row_tokens(config, m, state, free, offload=offload) for m in ("off", "selective", "full")}
     log.info(
         "activation checkpointing auto: %s for rows of %d tokens (longest rows that fit: %s)",
-        chosen,
+        checkpointing_label(chosen, layers),
         row_tokens,
         ", ".join(f"{m} {n:,}" for m, n in longest.items()),
     )

@@ -25,7 +25,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class RowCapacity:
     tokens: int  # the longest row that fits, a multiple of 1024
-    mode: str  # the activation checkpointing it was sized for
+    mode: str | int  # the activation checkpointing it was sized for (a mode or a number of layers)
     parallel: str  # the training path it was sized for: single or fsdp
     free_bytes: int  # the device memory it was sized against
     state_bytes: float  # weights, masters, moments and gradients per device

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -96,10 +96,11 @@ class TrainOptions(BaseModel):
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
     )
-    activation_checkpointing: Literal["auto", "off", "selective", "full"] = Field(
+    activation_checkpointing: Literal["auto", "off", "selective", "full"] | Annotated[int, Field(ge=0)] = Field(
         "auto",
         description="recompute decoder layers' activations in the backward: full (every layer), selective (every "
-        "other layer), off; auto = on a GPU, the cheapest of off, selective and full whose estimated peak fits",
+        "other layer), a number of layers (spread evenly), off; auto = on a GPU, the fewest checkpointed layers "
+        "whose estimated peak fits",
     )
     activation_offload: bool = Field(
         False,

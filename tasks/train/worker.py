@@ -28,7 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from sftflow.tasks.train import config as cfg
-from sftflow.tasks.train.activations import apply_activation_checkpointing, resolve_activation_checkpointing
+from sftflow.tasks.train.activations import (
+    apply_activation_checkpointing,
+    checkpointing_label,
+    resolve_activation_checkpointing,
+)
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
 from sftflow.tasks.train.capacity import model_state_bytes
 from sftflow.tasks.train.checkpoint import (
@@ -450,13 +454,14 @@ def build_run(run_dir: Path) -> Run:
         attn_flops_per_sq_token=6 * lm.config.num_hidden_layers * attention_width(lm.config),
         resume_step=progress.step,
     )
+    label = checkpointing_label(checkpointing, len(layers))
     if env.is_main:
         print(
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
             + (", compiled layers" if compiled else "")
-            + (f", activation checkpointing {checkpointing}" if checkpointing != "off" else ""),
+            + (f", activation checkpointing {label}" if label != "off" else ""),
             flush=True,
         )
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))

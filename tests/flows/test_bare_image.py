@@ -40,13 +40,14 @@ def test_shipped_workload_configs_load(name):
 @pytest.mark.slow  # a plan, a 4-step training run and a baseline, each in a process of its own (~30 s)
 def test_workload_runs_plan_and_train_without_prefect(tmp_path):
     """The 8B workload's config with a tiny model on the CPU: the plan comes from the bare mock index, training runs
-    its steps, and with `save_checkpoints: false` no checkpoint is written, not even at the end; then a baseline of
-    benchmarks/train_throughput.py on the same shape."""
+    its steps (one of its two layers checkpointed), and with `save_checkpoints: false` no checkpoint is written, not
+    even at the end; then a baseline of benchmarks/train_throughput.py on the same shape."""
     out = tmp_path / "out"
     args = [
         sys.executable, str(ROOT / "benchmarks" / "workload.py"), "llama8b-16k", "--steps", "4", "--warmup", "1",
         "--work", str(tmp_path / "work"), "--out", str(out), "--set", "train.model=tiny-llama",
         "--set", "plan.tokens_per_rank=4096", "--set", "train.device=cpu", "--baseline", "B",
+        "--set", "train.activation_checkpointing=1",
     ]  # fmt: skip
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -58,6 +59,8 @@ def test_workload_runs_plan_and_train_without_prefect(tmp_path):
     assert steps == [1, 2, 3, 4]
     assert not any((run / "checkpoints").glob("step-*")) and not (run / "checkpoints" / "latest").exists()
     assert "No module named 'prefect'" not in proc.stderr
+    # a number of layers to checkpoint, as `--set` passes it, reaches the worker
+    assert "activation checkpointing 1 of 2 layers" in (out / "llama8b-16k-train.log").read_text()
     # the baseline ran in the same call on the same rows and timed steps, and the ratios are of the two
     baseline = summary["baseline"]
     assert baseline["mode"] == "B" and baseline["timed_steps"] == 3 and baseline["tokens_per_s_median"] > 0

@@ -12,6 +12,7 @@ from sftflow.tasks.train.activations import (
     HostOffload,
     activation_bytes_per_token,
     apply_activation_checkpointing,
+    checkpointing_label,
     choose_checkpointing,
     fits,
     max_row_tokens,
@@ -25,7 +26,7 @@ OVERRIDES = dict(
 )
 
 
-def _step(mode: str, device: str = "cpu", compiled: bool = False, offload: bool = False):
+def _step(mode: str | int, device: str = "cpu", compiled: bool = False, offload: bool = False):
     """Loss, gradients and bytes of tensors saved for the backward, of one packed row."""
     torch.manual_seed(0)
     lm = build_model("tiny-llama", vocab_size=97, packed=True, overrides=OVERRIDES)
@@ -37,7 +38,7 @@ def _step(mode: str, device: str = "cpu", compiled: bool = False, offload: bool 
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm), strict=True, device=torch.device(device), dtype=torch.bfloat16)
     checkpointed = apply_activation_checkpointing(decoder_layers(lm), mode, offload=offload)
-    assert checkpointed == {"off": 0, "selective": 2, "full": 4}[mode]
+    assert checkpointed == {"off": 0, "selective": 2, "full": 4}.get(mode, mode)
     model = CausalLMLoss(lm).train()
     rng = np.random.default_rng(0)
     docs = [(rng.integers(3, 97, n), np.array([[1, n]], dtype=np.int32)) for n in (40, 7, 61, 25)]
@@ -56,13 +57,13 @@ def _step(mode: str, device: str = "cpu", compiled: bool = False, offload: bool 
 
 def test_checkpointed_layers_give_the_same_loss_and_gradients_and_save_less():
     loss, grads, saved = _step("off")
-    for mode in ("selective", "full"):
+    for mode in ("selective", "full", 1, 3):
         got_loss, got_grads, got_saved = _step(mode)
         assert torch.equal(got_loss, loss), mode
         for name, grad in grads.items():
             assert torch.equal(got_grads[name], grad), (mode, name)
         assert got_saved < saved, mode
-    assert _step("full")[2] < _step("selective")[2]
+    assert _step("full")[2] < _step(3)[2] < _step("selective")[2] < _step(1)[2]
 
 
 @pytest.mark.gpu
@@ -216,21 +217,49 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
     assert measured_gib * GIB <= estimate <= 1.3 * measured_gib * GIB
 
 
-def test_auto_picks_the_cheapest_mode_that_fits():
+def test_auto_checkpoints_the_fewest_layers_that_fit():
     config, state = _state("1b")
-    assert choose_checkpointing(config, 16384, state, H200_FREE) == "off"
-    assert choose_checkpointing(config, 65536, state, H200_FREE) == "off"  # measured: 91.5 GiB without checkpointing
-    assert choose_checkpointing(config, 131072, state, H200_FREE) != "off"
+    assert choose_checkpointing(config, 16384, state, H200_FREE) == 0
+    assert choose_checkpointing(config, 65536, state, H200_FREE) == 0  # measured: 91.5 GiB without checkpointing
+    assert 0 < choose_checkpointing(config, 131072, state, H200_FREE) < 16
     config, state = _state("8b")  # full fine-tuning on one GPU: 112 GB of state leave ~20 GB
-    assert choose_checkpointing(config, 16384, state, H200_FREE) == "full"
-    assert choose_checkpointing(config, 1024, state, H200_FREE) == "off"
-    config, state = _state("8b", "fsdp", world=2)  # the state halves over 2 ranks: half the layers recompute
-    assert choose_checkpointing(config, 16384, state, H200_FREE) == "selective"
+    assert choose_checkpointing(config, 1024, state, H200_FREE) == 0
+    # 16k rows: 27 of the 32 layers recompute (full checkpointing measured 109.8 GiB; each layer left out keeps
+    # ~2.2 GiB more), not all 32; 64k rows need all of them, with the inputs on the host as well.
+    assert choose_checkpointing(config, 16384, state, H200_FREE) == 27
+    assert choose_checkpointing(config, 65536, state, H200_FREE, offload=True) == 32
+    config, state = _state("8b", "fsdp", world=2)  # the state halves over 2 ranks: a few layers recompute
+    assert 0 < choose_checkpointing(config, 16384, state, H200_FREE) < 16
     # LoRA rank 16 on all linears: 42M fp32 adapters on a bf16 base (16 GB) fit a 16k row; NF4 leaves room for more.
     config, bf16 = _state("8b", trained=42_000_000, frozen=2.0 * PARAMS["8b"])
     config, nf4 = _state("8b", trained=42_000_000, frozen=0.516 * 7_000_000_000 + 2.0 * 1_030_000_000)
-    assert choose_checkpointing(config, 16384, bf16, H200_FREE) == "off"
+    assert choose_checkpointing(config, 16384, bf16, H200_FREE) == 0
     assert max_row_tokens(config, "off", nf4, H200_FREE) > max_row_tokens(config, "off", bf16, H200_FREE)
+
+
+@pytest.mark.parametrize("size, row_tokens", [("1b", 131072), ("8b", 16384), ("8b", 24576)])
+def test_auto_is_the_line_between_fitting_and_not(size, row_tokens):
+    """The count `auto` picks fits, one layer fewer does not, and each layer more recomputed keeps less."""
+    config, state = _state(size)
+    count = choose_checkpointing(config, row_tokens, state, H200_FREE)
+    assert fits(config, count, row_tokens, state, H200_FREE)
+    assert not fits(config, count - 1, row_tokens, state, H200_FREE)
+    kept = [activation_bytes_per_token(config, n) for n in range(1, config.num_hidden_layers + 1)]
+    assert kept == sorted(kept, reverse=True)
+    assert kept[-1] == activation_bytes_per_token(config, "full")
+    assert activation_bytes_per_token(config, 0) == activation_bytes_per_token(config, "off")
+
+
+def test_a_number_of_layers_spreads_over_the_stack():
+    layers = [torch.nn.Module() for _ in range(10)]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    assert apply_activation_checkpointing(layers, 4) == 4
+    assert [i for i, layer in enumerate(layers) if layer.gradient_checkpointing] == [0, 2, 5, 7]
+    assert apply_activation_checkpointing(layers, 0) == 0
+    assert apply_activation_checkpointing(layers, 99) == 10  # no more than the model has
+    assert checkpointing_label(4, 10) == "4 of 10 layers"
+    assert (checkpointing_label(0, 10), checkpointing_label(10, 10)) == ("off", "full")
 
 
 @pytest.mark.parametrize("size", ["1b", "8b"])
