@@ -275,13 +275,11 @@ def resolve_activation_checkpointing(
     if device.type != "cuda":
         return "off"
     free, _ = torch.cuda.mem_get_info(device)
-    layers = config.num_hidden_layers
-    count = choose_checkpointing(config, row_tokens, state, free, offload)
-    chosen = "off" if count == 0 else "full" if count == layers else count
+    chosen = choose_checkpointing(config, row_tokens, state, free, offload)
     longest = {m: max_row_tokens(config, m, state, free, offload=offload) for m in ("off", "selective", "full")}
     log.info(
         "activation checkpointing auto: %s for rows of %d tokens (longest rows that fit: %s)",
-        checkpointing_label(chosen, layers),
+        checkpointing_label(chosen, config.num_hidden_layers),
         row_tokens,
         ", ".join(f"{m} {n:,}" for m, n in longest.items()),
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sftflow.tasks.train.activations import max_row_tokens, state_bytes
+from sftflow.tasks.train.activations import checkpointing_label, max_row_tokens, state_bytes
 from sftflow.tasks.train.config import parallel_path
 
 log = logging.getLogger("sftflow.plan")
@@ -25,7 +25,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class RowCapacity:
     tokens: int  # the longest row that fits, a multiple of 1024
-    mode: str | int  # the activation checkpointing it was sized for (a mode or a number of layers)
+    mode: str  # the activation checkpointing it was sized for (`checkpointing_label`)
     parallel: str  # the training path it was sized for: single or fsdp
     free_bytes: int  # the device memory it was sized against
     state_bytes: float  # weights, masters, moments and gradients per device
@@ -109,6 +109,7 @@ def row_capacity(
             f"on the {parallel} path) leave no room for a row of 1,024 tokens in {free / GIB:.1f} GiB"
             f"{more or '; '}train LoRA (train.lora) or on more GPUs (train.nproc)"
         )
-    capacity = RowCapacity(tokens=tokens, mode=mode, parallel=parallel, free_bytes=free, state_bytes=state)
+    label = checkpointing_label(mode, config.num_hidden_layers)
+    capacity = RowCapacity(tokens=tokens, mode=label, parallel=parallel, free_bytes=free, state_bytes=state)
     log.info(capacity.describe())
     return capacity

@@ -28,6 +28,8 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     assert offload.tokens > 2 * full.tokens  # the 32 layer inputs go to the host: one layer's activations stay
     assert (off.parallel, off.mode, two.parallel, full.mode) == ("single", "off", "fsdp", "full")
     assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
+    half = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing=16), 1, H200)
+    assert half.mode == "16 of 32 layers" and off.tokens < half.tokens < full.tokens
     # one GPU, full fine-tuning: 14 bytes a parameter (bf16 weight, int16 master bits, fp32 moments, bf16 gradient)
     assert off.state_bytes == pytest.approx(14 * 8_030_261_248)
     # fp32 gradients once micro-batches add up: 16 bytes a parameter, and rows only with checkpointing
