@@ -1,7 +1,6 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--docs packed|long] [--variants triton triton-atomic torch flex] [--sweep]
-        [--out results.md]
+    python benchmarks/attention.py [--docs packed|long] [--variants triton torch flex] [--sweep] [--out results.md]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -11,7 +10,6 @@ at 8192 or more by merging it into the one before). bf16; (H, K, D) shapes: pack
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
-`triton-atomic` is ours with dQ added atomically by the dK/dV kernel instead of a separate dQ kernel.
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -115,10 +113,6 @@ def main() -> None:
         for name in args.variants:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
-            elif name == "triton-atomic":  # the default tiles, with dQ added atomically by the dK/dV kernel
-                fns[name] = lambda q, k, v, cu, m: triton_varlen_attention(
-                    q, k, v, cu, m, q.shape[-1] ** -0.5, config={"dkdv": {"ATOMIC_DQ": True}}
-                )
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
         check_name = "torch" if "torch" in args.variants else "sdpa"
@@ -187,12 +181,8 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
             (64, 128, 8, 3),
             (128, 128, 8, 2),
             (16, 64, 4, 3),
-            (32, 128, 8, 3, "split"),  # split dV/dK passes, as D=256 uses
-            (64, 128, 8, 3, "split"),
-            (32, 64, 4, 3, "atomic"),  # dQ added atomically by this kernel (no dQ kernel)
-            (64, 64, 4, 3, "atomic"),
-            (32, 128, 4, 3, "atomic"),
-            (64, 128, 8, 3, "atomic"),
+            (32, 128, 8, 3, True),  # split dV/dK passes (a fifth field), as D=256 uses
+            (64, 128, 8, 3, True),
         ],
         "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (32, 64, 4, 3)],
     }
@@ -217,33 +207,27 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
                 (64, 128, 8, 2),
                 (128, 128, 8, 2),
                 (64, 64, 8, 3),
-                (64, 128, 8, 3, "split"),
-                (128, 128, 8, 2, "split"),
-                (64, 128, 8, 3, "atomic"),
-                (64, 128, 8, 2, "atomic"),
-                (128, 128, 8, 2, "atomic"),
-                (32, 128, 4, 3, "atomic"),
+                (64, 128, 8, 3, True),
+                (128, 128, 8, 2, True),
             ],
             "dq": [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
         }
     if D > 128:  # shallower tiles: the D=128 grid's deep ones do not fit shared memory at D=256
         grids = {
             "fwd": [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 3), (128, 32, 8, 2)],
-            # ... and split dV/dK passes: one fp32 accumulator a program, so deeper key tiles
+            # ... and split dV/dK passes (a fifth field): one fp32 accumulator a program, so deeper key tiles
             "dkdv": [
                 (32, 32, 8, 2),
                 (32, 32, 4, 2),
                 (16, 32, 4, 2),
                 (32, 64, 8, 2),
                 (16, 64, 4, 2),
-                (32, 64, 4, 2, "split"),
-                (32, 64, 8, 2, "split"),
-                (64, 64, 8, 2, "split"),
-                (32, 128, 8, 2, "split"),
-                (16, 128, 8, 2, "split"),
-                (64, 128, 8, 2, "split"),
-                (32, 128, 8, 2, "split", "atomic"),
-                (32, 64, 8, 2, "split", "atomic"),
+                (32, 64, 4, 2, True),
+                (32, 64, 8, 2, True),
+                (64, 64, 8, 2, True),
+                (32, 128, 8, 2, True),
+                (16, 128, 8, 2, True),
+                (64, 128, 8, 2, True),
             ],
             "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2), (32, 64, 8, 2)],
         }
@@ -274,13 +258,11 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
         return ms
 
     for part, grid in grids.items():
-        if part == "dq" and current["dkdv"].get("ATOMIC_DQ"):
-            continue  # dQ comes from the dK/dV kernel: the dQ kernel's shape changes nothing
         trials = []
-        for bm, bn, w, st, *flags in grid:
+        for bm, bn, w, st, *split in grid:
             trial = {**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
             if part == "dkdv":
-                trial["SPLIT"], trial["ATOMIC_DQ"] = "split" in flags, "atomic" in flags
+                trial["SPLIT"] = bool(split and split[0])
             trials.append(trial)
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
     for part in grids:

@@ -48,11 +48,9 @@ NO_WINDOW = 2**30
 # Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
 # benchmarks/RESULTS.md). The backward runs two kernels: dK/dV (a program per key block, looping over its group's
 # query heads) and dQ (a program per query block), each with its own shape.
-def _cfg(
-    block_m: int, block_n: int, stages: int, order: str, warps: int = 4, split: bool = False, atomic_dq: bool = False
-) -> dict:
+def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4, split: bool = False) -> dict:
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, ORDER=order)
-    return {**cfg, **({"SPLIT": True} if split else {}), **({"ATOMIC_DQ": True} if atomic_dq else {})}
+    return {**cfg, "SPLIT": True} if split else cfg
 
 
 # D=256 dK/dV in two passes (dV, then dK), each with one 128-key fp32 accumulator: 1.24x the single pass with two
@@ -285,9 +283,6 @@ def _bwd_dkdv_kernel(
     stride_dkh,
     stride_dvt,
     stride_dvh,
-    dqa_ptr,
-    stride_dqat,
-    stride_dqah,
     T,
     D,
     K,
@@ -301,14 +296,9 @@ def _bwd_dkdv_kernel(
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
     PART: tl.constexpr = 0,
-    ATOMIC_DQ: tl.constexpr = False,
 ):
     # PART 0 computes dK and dV; 1 only dV and 2 only dK (a split pass: one fp32 accumulator per program instead of
     # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass).
-    # ATOMIC_DQ: the pass that computes dK also adds each query block's share of dQ, dS K, into the fp32 `dqa_ptr`
-    # with atomic adds, so the scores and dP are computed once for all three gradients (5 block products instead of
-    # the 7 that a separate dQ kernel's recompute costs), at the price of fp32 atomic traffic and an order of
-    # additions that varies from run to run.
     pid = tl.program_id(0)
     kh = pid % K
     n0 = tl.load(order_ptr + pid // K) * BLOCK_N
@@ -345,16 +335,8 @@ def _bwd_dkdv_kernel(
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             if PART != 1:
                 dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-                dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-                if ATOMIC_DQ:
-                    dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale
-                    tl.atomic_add(
-                        dqa_ptr + offs_m[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
-                        dq,
-                        mask=(offs_m < T)[:, None] & d_ok[None, :],
-                        sem="relaxed",
-                    )
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
     if PART != 1:
         tl.store(
@@ -538,11 +520,8 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     (order_kv, cfg_kv), (order_q, cfg_q) = _launch(config["dkdv"]), _launch(config["dq"])
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)
-    # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART). ATOMIC_DQ: dQ accumulates in that pass,
-    # except where torch is asked for deterministic algorithms (the atomics' order of additions varies).
+    # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART).
     split = cfg_kv.pop("SPLIT", False)
-    atomic = cfg_kv.pop("ATOMIC_DQ", False) and not torch.are_deterministic_algorithms_enabled()
-    dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device) if atomic else dq
     for part in (1, 2) if split else (0,):
         _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
             q,
@@ -561,9 +540,6 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             dk.stride(1),
             dv.stride(0),
             dv.stride(1),
-            dq_acc,
-            dq_acc.stride(0),
-            dq_acc.stride(1),
             T,
             D,
             K,
@@ -573,10 +549,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             **common,
             **cfg_kv,
             PART=part,
-            ATOMIC_DQ=atomic,
         )
-    if atomic:
-        return dq_acc.to(q.dtype), dk, dv
     _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
         q,
         k,
@@ -702,8 +675,7 @@ def triton_varlen_attention(
     included), as Hugging Face's sliding-window mask does.
 
     `config` overrides, for tuning, parts of the per-shape defaults (`resolve_config`): {"fwd" | "dkdv" | "dq":
-    {BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER}}, each part partial; "dkdv" also takes SPLIT (dV and dK in two
-    passes) and ATOMIC_DQ (dQ added by that kernel, no dQ kernel).
+    {BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER}}, each part partial.
     """
     T, H, D = q_THD.shape
     if q_THD.numel() >= 2**31 or k_TKD.numel() >= 2**31:

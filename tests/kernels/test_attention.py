@@ -119,11 +119,10 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # Tile shapes as the GPU uses them (BLOCK_M != BLOCK_N both ways), both program orders, and a head dim that is not a
 # power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
 # inside it, and masked blocks on the diagonal and the end.
-# "split" runs dV and dK as two passes of the key-block kernel; "atomic" adds dQ from the key-block kernel.
-def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, atomic=False):
+# "split" runs dV and dK as two passes of the key-block kernel.
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False):
     fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1}
-    dkdv = {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split, "ATOMIC_DQ": atomic}
-    return {"fwd": fwd, "dkdv": dkdv, "dq": fwd}
+    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": fwd}
 
 
 TILES = {
@@ -132,8 +131,6 @@ TILES = {
     "m16_n32_lpt": _tiles(16, 32, 32, 16, "lpt"),
     "m16_n32_row": _tiles(16, 32, 32, 16, "row"),
     "m32_n16_lpt_split": _tiles(32, 16, 16, 32, "lpt", split=True),
-    "m16_n32_row_atomic": _tiles(16, 32, 32, 16, "row", atomic=True),
-    "m32_n16_lpt_split_atomic": _tiles(32, 16, 16, 32, "lpt", split=True, atomic=True),
 }
 
 
@@ -147,30 +144,6 @@ def test_triton_tile_shapes_and_program_orders(tiles, H, K, D, device):
     q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=D)
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, config=TILES[tiles])
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
-
-
-@needs_triton
-def test_atomic_dq_gives_way_to_the_dq_kernel_under_deterministic_algorithms(device):
-    """Atomic adds make dQ's order of additions vary between runs; with torch's deterministic algorithms on, the
-    separate dQ kernel runs instead, bit for bit the same as a config without atomics."""
-    from sftflow.kernels.attention_triton import triton_varlen_attention
-
-    doc_lengths = [3, 70, 1, 40]
-    q, k, v, cu = make_inputs(doc_lengths, 4, 2, 16, device, seed=3)
-    do = torch.randn_like(q)
-
-    def dq(atomic: bool) -> torch.Tensor:
-        o = triton_varlen_attention(q, k, v, cu, 70, 0.25, config=_tiles(32, 16, 16, 32, "row", atomic=atomic))
-        return torch.autograd.grad(o, q, do)[0]
-
-    plain, atomic = dq(False), dq(True)
-    assert rel_err(atomic, plain) <= 1e-5
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.equal(dq(True), plain)
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -250,18 +223,15 @@ def test_triton_bf16_on_gpu(D, group, window):
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("window", [None, 300])
-@pytest.mark.parametrize("atomic", [False, True])
-def test_triton_long_document_tiles_bf16_on_gpu(D, group, window, atomic):
+def test_triton_long_document_tiles_bf16_on_gpu(D, group, window):
     """The deeper tiles used for rows of long documents, forced onto a short row so that the fp64 reference stays
-    small: the same kernels with other block shapes, masks and program orders; and with dQ added atomically by the
-    key-block kernel."""
+    small: the same kernels with other block shapes, masks and program orders."""
     from sftflow.kernels.attention_triton import CONFIGS_LONG, triton_varlen_attention
 
     doc_lengths = [700, 1, 129, 64, 2000, 37]
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     config = CONFIGS_LONG[(D, group > 1)]
-    config = {**config, "dkdv": {**config["dkdv"], "ATOMIC_DQ": atomic}}
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 
