@@ -60,12 +60,15 @@ def mock_documents(docs: str, vocab_size: int, tokens: int, seed: int):
 
 
 def run(cmd: list[str], log: Path) -> tuple[int, float, str]:
+    """Run `cmd` with its output going to `log` as it is written (a run cut short still leaves what it printed);
+    its exit code, wall time and output."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    with log.open("w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.perf_counter() - t0
-    out = proc.stdout + proc.stderr
-    log.write_text(f"$ {' '.join(cmd)}\n{out}")
-    return proc.returncode, wall, out
+    return proc.returncode, wall, log.read_text()
 
 
 def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
@@ -180,19 +183,27 @@ def main() -> None:
         "plan_s": round(plan_s, 1),
         **summarize(work / "run" / "metrics.jsonl", args.warmup, train_s, out),
     }
+    # sftflow's numbers are reported before the baseline runs, so that a run cut short (a GPU taken back) keeps them.
+    report(args, work, summary)
     if args.baseline is not None:
         baseline = run_baseline(args, cfg, args.baseline, work)
         summary["baseline"] = baseline
         summary["ratio_median"] = round(summary["tokens_per_s_median"] / baseline["tokens_per_s_median"], 3)
         summary["ratio_aggregate"] = round(summary["tokens_per_s_aggregate"] / baseline["tokens_per_s_aggregate"], 3)
+        report(args, work, summary)
+
+
+def report(args, work: Path, summary: dict) -> None:
+    """Print the summary and, with --out, write it there with the logs and the run's metrics."""
     print(f"[workload] {json.dumps(summary)}", flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.workload}.json").write_text(json.dumps(summary, indent=2))
-        for name in ("plan.log", "train.log", "baseline.log"):
-            if (work / name).is_file():
-                (args.out / f"{args.workload}-{name}").write_text((work / name).read_text())
-        (args.out / f"{args.workload}-metrics.jsonl").write_text((work / "run" / "metrics.jsonl").read_text())
+    if args.out is None:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.workload}.json").write_text(json.dumps(summary, indent=2))
+    for name in ("plan.log", "train.log", "baseline.log"):
+        if (work / name).is_file():
+            (args.out / f"{args.workload}-{name}").write_text((work / name).read_text())
+    (args.out / f"{args.workload}-metrics.jsonl").write_text((work / "run" / "metrics.jsonl").read_text())
 
 
 if __name__ == "__main__":

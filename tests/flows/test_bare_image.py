@@ -65,3 +65,9 @@ def test_workload_runs_plan_and_train_without_prefect(tmp_path):
     baseline = summary["baseline"]
     assert baseline["mode"] == "B" and baseline["timed_steps"] == 3 and baseline["tokens_per_s_median"] > 0
     assert summary["ratio_median"] == round(summary["tokens_per_s_median"] / baseline["tokens_per_s_median"], 3)
+    # sftflow's own numbers were reported before the baseline started (they survive a run cut short there)
+    first, last = [
+        json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("[workload]")
+    ]
+    assert "baseline" not in first and first["tokens_per_s_median"] == summary["tokens_per_s_median"]
+    assert last == summary
