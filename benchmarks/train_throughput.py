@@ -482,8 +482,7 @@ class Bench:
         self.optim_c = cfg.optim_config(self.train_config)
 
     def build_lm(self, attn: str, packed_worker: bool) -> nn.Module:
-        """Same seed and config for every mode; built directly on the device (the worker builds on CPU and FSDP moves
-        it: the same module either way)."""
+        """Same seed and config for every mode; built directly on the device, as the worker draws random weights."""
         torch.manual_seed(self.args.seed)
         with torch.device(self.device):
             if packed_worker:
@@ -491,7 +490,8 @@ class Bench:
 
                 path = Path(self.args.tmp) / "model-config.json"
                 self.lm_config.to_json_file(str(path))
-                return build_model(str(path), vocab_size=self.dataset.config.vocab_size, packed=True)
+                vocab_size = self.dataset.config.vocab_size
+                return build_model(str(path), vocab_size=vocab_size, packed=True, device=torch.device(self.device))
             from transformers import AutoModelForCausalLM
 
             return AutoModelForCausalLM.from_config(self.lm_config, attn_implementation=attn).to(torch.float32)

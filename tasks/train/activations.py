@@ -266,15 +266,23 @@ def _offloaded(offload: HostOffload, checkpoint_fn, fn, *args, **kwargs):
 
 
 def resolve_activation_checkpointing(
-    mode: str | int, device: torch.device, config, row_tokens: int, state: float, offload: bool = False
+    mode: str | int,
+    device: torch.device,
+    config,
+    row_tokens: int,
+    state: float,
+    offload: bool = False,
+    free: int | None = None,
 ) -> str | int:
     """The checkpointing to apply: `mode` itself, or for `auto`, off on a CPU and on a GPU `choose_checkpointing`'s
-    count of layers against the device's free memory (`state`: `state_bytes` of this run)."""
+    count of layers against the device's free memory (`state`: `state_bytes` of this run; `free`: the free bytes
+    before the model was built, when it is already on the device, else what the device has free now)."""
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "off"
-    free, _ = torch.cuda.mem_get_info(device)
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
     chosen = choose_checkpointing(config, row_tokens, state, free, offload)
     longest = {m: max_row_tokens(config, m, state, free, offload=offload) for m in ("off", "selective", "full")}
     log.info(

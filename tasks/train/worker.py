@@ -403,8 +403,10 @@ def build_run(run_dir: Path) -> Run:
     batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id, breakdown=breakdown)
     total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
 
+    # `state` below counts the model's bytes; random weights drawn on the GPU already take some of them.
+    free = torch.cuda.mem_get_info(env.device)[0] if env.device.type == "cuda" else None
     lm, weights = build_training_model(
-        config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides
+        config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides, device=env.device
     )
     if config.lora is not None:
         apply_lora(lm, config.lora, config.model)
@@ -417,7 +419,7 @@ def build_run(run_dir: Path) -> Run:
     state = model_state_bytes(lm, config.quantize, parallel, env.world_size, plan.micro_batches_per_step > 1)
     offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(
-        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload
+        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free
     )
     apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)

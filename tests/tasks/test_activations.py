@@ -240,6 +240,19 @@ def test_auto_checkpoints_the_fewest_layers_that_fit():
     assert max_row_tokens(config, "off", nf4, H200_FREE) > max_row_tokens(config, "off", bf16, H200_FREE)
 
 
+def test_auto_sizes_against_the_memory_free_before_the_model_was_built():
+    """Random weights drawn on the GPU take part of its memory before `auto` decides, and `state` counts them too:
+    the worker passes the free bytes read before building the model, and `auto` uses those (no device is asked)."""
+    from sftflow.tasks.train.activations import resolve_activation_checkpointing
+
+    config, state = _state("8b")
+    cuda = torch.device("cuda")
+    assert resolve_activation_checkpointing("auto", cuda, config, 16384, state, free=H200_FREE) == 27
+    # asked after an 8B model's fp32 weights (32 GB) were drawn on the GPU, it would recompute every layer
+    assert resolve_activation_checkpointing("auto", cuda, config, 16384, state, free=H200_FREE - 32e9) == 32
+    assert resolve_activation_checkpointing("full", cuda, config, 16384, state, free=1) == "full"
+
+
 @pytest.mark.parametrize("size, row_tokens", [("1b", 131072), ("8b", 16384), ("8b", 24576)])
 def test_auto_is_the_line_between_fitting_and_not(size, row_tokens):
     """The count `auto` picks fits, one layer fewer does not, and each layer more recomputed keeps less."""
