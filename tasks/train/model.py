@@ -144,7 +144,7 @@ def preflight(
 def init_device(config, device: torch.device | None) -> torch.device:
     """Where a model built from its config draws its random weights: on `device` when it is a GPU with room for the
     fp32 weights and a bf16 copy of them (what the one-GPU path holds while it casts), else on the CPU. Drawing an 8B
-    model's normal values takes about two minutes on 16 CPU cores and well under a second on an H200. Every rank
+    model's normal values took about two minutes on 16 CPU cores; a GPU writes its 32 GB at memory speed. Every rank
     seeds its generators alike first (`torch.manual_seed` seeds the GPUs' too), so the ranks' weights are identical
     either way."""
     if device is None or device.type != "cuda":
