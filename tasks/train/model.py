@@ -152,7 +152,7 @@ def init_device(config, device: torch.device | None) -> torch.device:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        n_params, _ = count_params(AutoModelForCausalLM.from_config(config))
     free, _ = torch.cuda.mem_get_info(device)
     return device if 6 * n_params <= 0.9 * free else torch.device("cpu")
 

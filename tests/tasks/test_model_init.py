@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sftflow.tasks.train.model import build_model, init_device, model_config
+from sftflow.tasks.train.model import build_model, count_params, init_device, model_config
 
 VOCAB = 97
 
@@ -30,10 +30,10 @@ def test_without_a_gpu_random_weights_are_drawn_on_the_cpu_as_before():
 def test_a_gpu_draws_them_only_with_room_for_the_weights_and_their_bf16_copy(monkeypatch):
     """6 bytes a parameter (fp32 weights and the one-GPU path's bf16 copy) within 90% of the free memory."""
     config = model_config("tiny-llama", vocab_size=VOCAB)
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    with torch.device("meta"):
+        n_params, _ = count_params(AutoModelForCausalLM.from_config(config))
     gpu = torch.device("cuda", 1)
     for free, want in ((int(6 * n_params / 0.9) + 16, gpu), (6 * n_params, torch.device("cpu"))):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
