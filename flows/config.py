@@ -163,6 +163,22 @@ class SFTConfig(BaseModel):
     def from_yaml(cls, path: str | Path) -> SFTConfig:
         return load_config(path)
 
+    @model_validator(mode="after")
+    def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
+        world = self.train.nproc * self.train.nnodes
+        accumulates = (
+            (self.plan.micro_batches_per_step or 1) > 1
+            or self.plan.target_tokens_per_step is not None
+            or (self.plan.num_ranks or world) > world  # each process takes several planned ranks' rows
+        )
+        if self.train.optimizer_in_backward and accumulates:
+            raise ValueError(
+                "train.optimizer_in_backward steps each parameter in the backward of one micro-batch; the plan adds "
+                "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
+                "training processes): plan one a step"
+            )
+        return self
+
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A YAML run config as a mapping, its relative paths made relative to the file (not the working directory), so

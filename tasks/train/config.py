@@ -93,6 +93,12 @@ class TrainOptions(BaseModel):
         "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
     )
     max_nonfinite_steps: int = Field(3, ge=0, description="fail after this many consecutive skipped NaN/inf steps")
+    optimizer_in_backward: bool = Field(
+        False,
+        description="one device (parallel: single), full fine-tuning: step each parameter as soon as its gradient is "
+        "made and free the gradient (2 bytes a parameter less, for activations); needs grad_clip: null and one "
+        "micro-batch a step, and a tensor whose gradient is not finite keeps its values while the others step",
+    )
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
     )
@@ -167,9 +173,28 @@ class TrainOptions(BaseModel):
             )
         if self.quantize != "none" and self.lora is None:
             raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
+        if self.optimizer_in_backward:
+            self._check_optimizer_in_backward()
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self
+
+    def _check_optimizer_in_backward(self) -> None:
+        why = "optimizer_in_backward: true steps each parameter as its gradient is made, on one device"
+        if self.grad_clip is not None:
+            raise ValueError(
+                f"{why}, before the global gradient norm is known, so it cannot clip: set grad_clip: null "
+                f"(got {self.grad_clip})"
+            )
+        if self.lora is not None:
+            raise ValueError(f"{why}; LoRA's gradients are the adapters', a few MB, with nothing to gain: drop one")
+        if self.parallel == "fsdp" or self.nproc * self.nnodes > 1:
+            raise ValueError(
+                f"{why} (parallel: single or auto); got parallel={self.parallel!r}, nproc={self.nproc} x "
+                f"nnodes={self.nnodes}"
+            )
+        if self.save_grads_at_steps:
+            raise ValueError(f"{why} and frees its gradient, so save_grads_at_steps has none to save")
 
 
 class TrainConfig(TrainOptions):
@@ -222,6 +247,7 @@ class OptimConfig:
     weight_decay: float
     grad_clip: float | None
     max_nonfinite_steps: int
+    in_backward: bool = False  # step each parameter in the backward and drop its gradient (one device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +285,7 @@ def optim_config(c: TrainConfig) -> OptimConfig:
         weight_decay=c.weight_decay,
         grad_clip=c.grad_clip,
         max_nonfinite_steps=c.max_nonfinite_steps,
+        in_backward=c.optimizer_in_backward,
     )
 
 

@@ -18,6 +18,12 @@ Gradient accumulation stays in fp32: a hook after each parameter's gradient accu
 from `param.grad` (so autograd never adds in bf16). The first micro-batch's bf16 gradient is kept as it is (no copy);
 a second one turns it into an fp32 sum. The optimizer reads these gradients (`gradients()`); `param.grad` stays None.
 
+With `in_backward`, the same hook steps the parameter at once and drops its gradient (gradient release): no step
+ever holds the model's gradients, 2 bytes a parameter less (15 GiB of an 8B model), which a long row on one GPU
+spends on activations instead of recomputing them. The price: no global-norm clipping (the norm is known only once
+the last gradient is made, after most parameters have moved) and no whole-step skip on a non-finite gradient (a
+tensor whose gradient is not finite keeps its values and moments; the others step). One micro-batch a step only.
+
 Checkpoints hold exactly what the FSDP path holds: the `model` component is the fp32 masters (joined on the CPU at
 save time) under the Hugging Face names (`MasterModelState`), and the optimizer state has torch AdamW's keys, so a
 run saved here resumes under FSDP on any number of ranks and the other way round. Buffers (RoPE's `inv_freq`) are not
@@ -43,6 +49,15 @@ from sftflow.kernels.adamw import (
 )
 
 
+def check_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """The step's kernel reads `g` as one flat run of `p`'s dtype or fp32."""
+    if g.dtype not in (p.dtype, torch.float32) or g.shape != p.shape or not g.is_contiguous():
+        raise ValueError(
+            f"MasterAdamW: a {g.dtype} gradient of shape {tuple(g.shape)} for {p.dtype} {tuple(p.shape)}; "
+            "expected a contiguous one of the parameter's shape"
+        )
+
+
 class MasterAdamW(torch.optim.AdamW):
     """AdamW whose fp32 master weights live in the optimizer, for a model that computes with bf16 parameters.
 
@@ -53,11 +68,14 @@ class MasterAdamW(torch.optim.AdamW):
     fused AdamW.
     """
 
-    def __init__(self, groups, *, lr: float, betas: tuple[float, float], eps: float):
+    def __init__(self, groups, *, lr: float, betas: tuple[float, float], eps: float, in_backward: bool = False):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=True)
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
+        self.in_backward = in_backward
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._released_sq: torch.Tensor | None = None  # sum of squared gradients stepped in this backward
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
         # The hook holds the optimizer weakly: autograd keeps hooks on the C++ side, where Python's garbage collector
         # cannot see a cycle through them, so a strong reference would keep the optimizer (and its state) alive.
         this = weakref.ref(self)
@@ -85,6 +103,9 @@ class MasterAdamW(torch.optim.AdamW):
     # -- gradients --------------------------------------------------------------------------------------------------
 
     def _take_grad(self, p: nn.Parameter) -> None:
+        if self.in_backward:
+            self._step_released(p)
+            return
         held = self._grads.get(p)
         if held is None:
             self._grads[p] = p.grad  # the first micro-batch: keep autograd's tensor, no copy
@@ -103,7 +124,15 @@ class MasterAdamW(torch.optim.AdamW):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
+        self._released_sq = None  # a new tensor next step: the last norm may still be read from the old one
         super().zero_grad(set_to_none=True)
+
+    def released_norm(self) -> torch.Tensor:
+        """With `in_backward`: the L2 norm of the gradients stepped since `zero_grad` (0-d fp32, on the device). The
+        step's metrics read it; clipping cannot, as the parameters have moved by then."""
+        if self._released_sq is None:
+            return torch.zeros((), dtype=torch.float32)
+        return self._released_sq.sqrt()
 
     # -- masters ----------------------------------------------------------------------------------------------------
 
@@ -148,11 +177,7 @@ class MasterAdamW(torch.optim.AdamW):
                 g = self.grad(p)
                 if g is None:
                     continue
-                if g.dtype not in (p.dtype, torch.float32) or g.shape != p.shape or not g.is_contiguous():
-                    raise ValueError(
-                        f"MasterAdamW: a {g.dtype} gradient of shape {tuple(g.shape)} for {p.dtype} "
-                        f"{tuple(p.shape)}; expected a contiguous one of the parameter's shape"
-                    )
+                check_grad(p, g)
                 s = self.state[p]
                 tensors.append(MasterTensors(p.data, g, s.get("master_low"), s["exp_avg"], s["exp_avg_sq"], s["step"]))
             beta1, beta2 = group["betas"]
@@ -163,6 +188,23 @@ class MasterAdamW(torch.optim.AdamW):
         advance_steps_([t.step for tensors, _ in work for t in tensors], self.found_inf)
         for tensors, hyper in work:
             adamw_master_step_(tensors, hyper, self.grad_scale, self.found_inf, advance_steps=False, check=False)
+
+    @torch.no_grad()
+    def _step_released(self, p: nn.Parameter) -> None:
+        """Step `p` on its just-completed gradient and drop it: the backward's hook, with `in_backward`."""
+        g, p.grad = p.grad, None
+        check_grad(p, g)
+        sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        self._released_sq = sq if self._released_sq is None else self._released_sq.add_(sq)
+        found_inf = (~torch.isfinite(sq)).float()  # this tensor's own skip flag, read on the device
+        group, s = self._group_of[p], self.state[p]
+        beta1, beta2 = group["betas"]
+        hyper = AdamWHyper(
+            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
+        )
+        advance_steps_([s["step"]], found_inf)
+        tensors = [MasterTensors(p.data, g, s.get("master_low"), s["exp_avg"], s["exp_avg_sq"], s["step"])]
+        adamw_master_step_(tensors, hyper, None, found_inf, advance_steps=False, check=False)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
@@ -222,14 +264,15 @@ class MasterModelState(Stateful):
 
 
 def single_device_model(
-    lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps
+    lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps, in_backward=False
 ) -> tuple[nn.Module, MasterAdamW]:
     """Move `lm` (fp32) to `device`, wrap it in `CausalLMLoss`, build the `MasterAdamW` over `groups` (a function of
-    the model giving torch param groups), then cast the parameters to `param_dtype`."""
+    the model giving torch param groups; `in_backward`: stepped in the backward), then cast the parameters to
+    `param_dtype`."""
     from sftflow.tasks.train.model import CausalLMLoss
 
     lm.to(device)
     root = CausalLMLoss(lm)
-    optimizer = MasterAdamW(groups(root), lr=lr, betas=betas, eps=eps)
+    optimizer = MasterAdamW(groups(root), lr=lr, betas=betas, eps=eps, in_backward=in_backward)
     optimizer.cast_parameters(param_dtype)
     return root, optimizer

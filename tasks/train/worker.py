@@ -114,6 +114,11 @@ def parallelize(
     device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
     if quantize and (parallel != "single" or not lora):
         raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
+    if c.in_backward and (parallel != "single" or lora):
+        raise ValueError(
+            f"train.optimizer_in_backward: full fine-tuning on one device (parallel: single); this run is {parallel}"
+            + (" with LoRA" if lora else "")
+        )
     if lora:
         freeze_in_dtype(lm, param_dtype)
     if parallel == "single":
@@ -129,8 +134,9 @@ def parallelize(
             model = CausalLMLoss(lm, autocast_dtype=param_dtype if mixed else None)
             return model, build_optimizer(model, c), ModelState(lm, trained_only=True)
         model, optimizer = single_device_model(
-            lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps
-        )
+            lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps,
+            in_backward=c.in_backward,
+        )  # fmt: skip
         return model, optimizer, MasterModelState(lm, optimizer)
     model = shard_model(lm, env, param_dtype)
     if on_meta:
@@ -239,7 +245,14 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
     Both go into the fused AdamW (or `MasterAdamW`) kernel as device tensors: it divides every gradient by `grad_scale`
     (= max(1, norm / max_norm), which is `clip_grad_norm_`'s factor) and leaves parameters, moments and step
     counters untouched when `found_inf` is set. Returns the (unclipped) norm tensor.
+
+    A `MasterAdamW` stepping in the backward has stepped every parameter already: only the norm of what it stepped
+    is left to report.
     """
+    if isinstance(optimizer, MasterAdamW) and optimizer.in_backward:
+        if max_norm is not None:
+            raise ValueError("an optimizer that steps in the backward cannot clip: max_norm must be None")
+        return optimizer.released_norm()
     norm = grad_norm(gradients(model, optimizer))
     optimizer.found_inf = (~torch.isfinite(norm)).float()
     optimizer.grad_scale = None if max_norm is None else torch.clamp(norm / max_norm, min=1.0)
@@ -416,7 +429,18 @@ def build_run(run_dir: Path) -> Run:
         compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
     parallel = resolve_parallel(config.parallel, env)
     layers = decoder_layers(lm)
-    state = model_state_bytes(lm, config.quantize, parallel, env.world_size, plan.micro_batches_per_step > 1)
+    # a plan made for more ranks than train here gives each process several plan ranks' rows a step
+    micro_batches = plan.micro_batches_per_step * plan.num_ranks // env.world_size
+    if config.optimizer_in_backward and micro_batches > 1:
+        raise ValueError(
+            f"train.optimizer_in_backward steps each parameter in the backward of one micro-batch; "
+            f"{plan_path(config.plan)} has {micro_batches} a step on each of {env.world_size} process(es) "
+            f"({plan.micro_batches_per_step} micro-batch(es) x {plan.num_ranks} planned ranks): plan one a step "
+            "for this many ranks"
+        )
+    state = model_state_bytes(
+        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward
+    )
     offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free
@@ -524,7 +548,12 @@ def train(run_dir: Path) -> None:
                 f"{totals.targets}; the plan was made for different data"
             )
         if totals is not None and not math.isfinite(totals.grad_norm):
-            skipped = f"non-finite gradient norm {totals.grad_norm}"  # the fused AdamW skipped the update
+            # the fused AdamW skipped the update; stepping in the backward, only the non-finite tensors kept theirs
+            skipped = f"non-finite gradient norm {totals.grad_norm}" + (
+                " (optimizer in the backward: the tensors with finite gradients stepped)"
+                if run.optim_c.in_backward
+                else ""
+            )
             nonfinite_in_a_row += 1
             if nonfinite_in_a_row > run.optim_c.max_nonfinite_steps:
                 raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")

@@ -48,6 +48,33 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     assert two.state_bytes == pytest.approx(state_bytes(8_030_261_248, 0.0, "fsdp", 2, 8_030_261_248, 32))
 
 
+def test_stepping_in_the_backward_frees_the_gradients_for_rows():
+    full = TrainOptions(model=LLAMA8B, activation_checkpointing="full", grad_clip=None)
+    held = row_capacity(full, 1, H200)
+    released = row_capacity(full.model_copy(update={"optimizer_in_backward": True}), 1, H200)
+    embedding = 128_256 * 4096  # the largest tensor: the one gradient alive at a time
+    assert released.state_bytes == pytest.approx(12 * 8_030_261_248 + 2 * embedding)
+    assert held.state_bytes - released.state_bytes > 13.9 * GIB and released.tokens > held.tokens
+
+
+def test_stepping_in_the_backward_says_what_it_cannot_do():
+    with pytest.raises(ValueError, match="cannot clip: set grad_clip: null"):
+        TrainOptions(optimizer_in_backward=True)
+    ok = {"optimizer_in_backward": True, "grad_clip": None}
+    for bad, match in [
+        ({"lora": {"rank": 8}}, "LoRA"),
+        ({"parallel": "fsdp"}, "parallel: single"),
+        ({"nproc": 2}, "nproc=2"),
+        ({"save_grads_at_steps": [1]}, "save_grads_at_steps"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            TrainOptions(**ok, **bad)
+    for plan in ({"micro_batches_per_step": 2}, {"target_tokens_per_step": 4096}, {"num_ranks": 2}):
+        with pytest.raises(ValueError, match="plan one a step"):
+            SFTConfig.model_validate({"plan": plan, "train": ok})
+    assert SFTConfig.model_validate({"plan": {"micro_batches_per_step": 1}, "train": ok}).train.optimizer_in_backward
+
+
 def test_a_model_that_leaves_no_room_and_a_machine_without_a_gpu_say_what_to_do():
     message = r"no room for a row of 1,024 tokens in 80\.0 GiB.*activation_checkpointing: full"
     with pytest.raises(ValueError, match=message):

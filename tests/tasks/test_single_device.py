@@ -183,3 +183,85 @@ def test_bf16_training_follows_fp32_masters_with_a_bf16_copy(device):
             torch.testing.assert_close(opt.master(p), m.detach(), rtol=1e-5, atol=1e-6)
         else:
             assert (opt.master(p) - m).abs().max() <= master_tol * m.abs().max()
+
+
+def _in_backward(net: nn.Module, dtype: torch.dtype) -> MasterAdamW:
+    opt = MasterAdamW(param_groups(net, OPTIM), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, in_backward=True)
+    opt.cast_parameters(dtype)
+    return opt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stepping_in_the_backward_is_the_step_after_it(dtype):
+    """Without clipping, each parameter stepped as its gradient is made ends where the step after the backward puts
+    it, bit for bit, and no gradient outlives its parameter's step."""
+    ours, ref = _net(), _net()
+    opt, ref_opt = _in_backward(ours, dtype), _master_adamw(ref, dtype)
+    held_during_backward = []
+    last = list(ours.parameters())[0]  # the first layer's weight: its gradient is made last
+    last.register_hook(lambda g: held_during_backward.append([p.grad for p in ours.parameters()]) or g)
+    for seed in range(4):
+        _loss(ours, seed).backward()
+        _loss(ref, seed).backward()
+        want_norm = optimizer_step(ref, ref_opt, None)
+        norm = optimizer_step(ours, opt, None)
+        torch.testing.assert_close(norm, want_norm, rtol=1e-6, atol=0)  # summed in another order
+        assert not opt.gradients() and all(p.grad is None for p in ours.parameters())
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q) and torch.equal(opt.master(p), ref_opt.master(q))
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][key], ref_opt.state[q][key]), key
+    # when the last gradient is made, every other parameter has stepped and let its gradient go
+    assert all(g is None for grads in held_during_backward for g in grads)
+
+
+def test_a_non_finite_gradient_stops_only_its_own_tensor():
+    net = _net()
+    opt = _in_backward(net, torch.bfloat16)
+    params = list(net.parameters())
+    before = [(opt.master(p).clone(), opt.state[p]["exp_avg"].clone()) for p in params]
+    params[2].register_hook(lambda g: g * float("nan"))  # the second layer's weight
+    _loss(net, 0).backward()
+    assert not torch.isfinite(optimizer_step(net, opt, None))  # reported: the run counts the step as non-finite
+    for i, (p, (master, exp_avg)) in enumerate(zip(params, before, strict=True)):
+        kept = i == 2
+        assert torch.equal(opt.master(p), master) == kept, i
+        assert torch.equal(opt.state[p]["exp_avg"], exp_avg) == kept, i
+        assert opt.state[p]["step"].item() == (0 if kept else 1), i
+
+
+def test_stepping_in_the_backward_refuses_to_clip():
+    net = _net()
+    opt = _in_backward(net, torch.float32)
+    _loss(net, 0).backward()
+    with pytest.raises(ValueError, match="cannot clip"):
+        optimizer_step(net, opt, 1.0)
+
+
+@pytest.mark.gpu
+def test_stepping_in_the_backward_never_holds_all_gradients():
+    """On a GPU the step's peak memory drops by most of the bf16 gradients (8 layers of 2048 x 2048: 64 MiB), the
+    Triton kernel stepping each tensor as it goes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    peaks = {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)]).cuda()
+        opt = MasterAdamW(param_groups(net, OPTIM), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, in_backward=in_backward)
+        opt.cast_parameters(torch.bfloat16)
+        x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):  # the second step's peak: allocator warm
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            net(x).float().square().mean().backward()
+            norm = optimizer_step(net, opt, None)
+            opt.zero_grad()
+            torch.cuda.synchronize()
+        assert torch.isfinite(norm)
+        peaks[in_backward] = torch.cuda.max_memory_allocated()
+        del net, opt
+    grads = 8 * 2048 * 2048 * 2
+    assert peaks[False] - peaks[True] >= 0.5 * grads, peaks  # 7/8 of them, less a transient fp32 copy at most

@@ -132,3 +132,48 @@ def test_single_refuses_more_than_one_process(setup):
     root, base, _ = setup
     with pytest.raises(ValueError, match="parallel='single' trains in one process"):
         run(base, root / "refused", nproc=2, parallel="single")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("in-backward")
+    base, _, arrays = planned_mock(
+        root,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
+        PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0),
+        warmup_steps=1,
+        checkpoint_every=3,
+        keep_last=10,
+        weight_decay=0.1,
+        grad_clip=None,
+        parallel="single",
+        dtype="bf16",
+    )
+    return root, base, arrays.num_steps
+
+
+def test_stepping_in_the_backward_trains_as_the_step_after_it(one_rank):
+    """bf16 weights, fp32 masters, one micro-batch a step: each parameter stepped in the backward (with every layer
+    recomputed in it) gives the run the step after the backward gives, bit for bit, and its checkpoints resume."""
+    root, base, num_steps = one_rank
+    run(base, root / "after", activation_checkpointing="off")
+    run(base, root / "during", activation_checkpointing="full", optimizer_in_backward=True)
+    after, during = metrics(root / "after"), metrics(root / "during")
+    assert len(during) == num_steps >= 6
+    assert [r["loss"] for r in during] == [r["loss"] for r in after]
+    for a, b in zip(during, after, strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # summed in another order
+    a, b = read_dcp(root / "during" / "checkpoints" / "step-3"), read_dcp(root / "after" / "checkpoints" / "step-3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    out = root / "resumed"
+    resume_from(root / "during", 3, out)
+    run(base, out, resume=True, optimizer_in_backward=True)
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in during][3:]
+
+
+def test_stepping_in_the_backward_refuses_a_plan_of_several_micro_batches(setup):
+    root, base, _ = setup  # planned for 2 ranks: one process takes 2 micro-batches a step
+    with pytest.raises(ValueError, match="has 2 a step on each of 1 process"):
+        run(base, root / "refused-in-backward", parallel="single", grad_clip=None, save_grads_at_steps=(),
+            optimizer_in_backward=True)  # fmt: skip
