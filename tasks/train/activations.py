@@ -82,20 +82,24 @@ def activation_bytes_per_token(config, mode: str | int, offload: bool = False) -
 
 
 def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_size: int, total_params: int,
-                num_layers: int, accumulating: bool = False, largest_trained: int | None = None) -> float:  # fmt: skip
+                num_layers: int, accumulating: bool = False, largest_trained: int | None = None,
+                offloaded: tuple[int, int] = (0, 0)) -> float:  # fmt: skip
     """Device bytes of the weights, master weights, optimizer moments and gradients while activations are live.
 
     - `single` (one GPU): bf16 weight + int16 low bits of the fp32 master + two fp32 moments + the gradient, bf16
       with one micro-batch a step and fp32 once several add up (`accumulating`): 14 or 16 bytes a trained parameter;
       with the optimizer stepping in the backward (`largest_trained`: the biggest trained tensor's elements), 12,
-      plus the one bf16 gradient being stepped;
+      plus the one bf16 gradient being stepped; moments kept on the host (`offloaded`: their parameters, and the
+      largest unit's, two of which have device slots) take 8 bytes a parameter less, plus the slots;
     - `fsdp`: fp32 parameter + fp32 gradient + two fp32 moments, sharded over the ranks: 16 / world bytes, plus the
       bf16 copies of the two layers unsharded at a time (the one computing and the one prefetched).
     Frozen weights (LoRA's base) count as held: `frozen_bytes`, sharded under FSDP."""
     if parallel == "single":
+        host, largest_unit = offloaded
+        moments = -8.0 * host + 2 * 8.0 * largest_unit
         if largest_trained is not None:
-            return 12.0 * trained_params + 2.0 * largest_trained + frozen_bytes
-        return (16.0 if accumulating else 14.0) * trained_params + frozen_bytes
+            return 12.0 * trained_params + 2.0 * largest_trained + frozen_bytes + moments
+        return (16.0 if accumulating else 14.0) * trained_params + frozen_bytes + moments
     unsharded = 2 * 2 * total_params / max(num_layers, 1)
     return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
 

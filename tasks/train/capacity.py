@@ -39,11 +39,18 @@ class RowCapacity:
 
 
 def model_state_bytes(
-    lm: nn.Module, quantize: str, parallel: str, world_size: int, accumulating: bool, released: bool = False
+    lm: nn.Module,
+    quantize: str,
+    parallel: str,
+    world_size: int,
+    accumulating: bool,
+    released: bool = False,
+    offload: str | int = "off",
 ) -> float:
     """`state_bytes` of `lm` as built for training (a meta model will do): its trained and frozen parameters, the
     frozen ones at the size `quantize` holds them in, on `parallel` over `world_size` ranks (`released`: stepped in
-    the backward)."""
+    the backward; `offload`: `train.optimizer_offload`)."""
+    from sftflow.tasks.train.host_moments import offloaded_numel
     from sftflow.tasks.train.model import decoder_layers
     from sftflow.tasks.train.quantize import frozen_weight_bytes
 
@@ -56,6 +63,7 @@ def model_state_bytes(
         num_layers=len(decoder_layers(lm)),
         accumulating=accumulating,
         largest_trained=max((p.numel() for p in lm.parameters() if p.requires_grad), default=0) if released else None,
+        offloaded=offloaded_numel(lm, offload) if parallel == "single" else (0, 0),
     )
 
 
@@ -100,7 +108,9 @@ def row_capacity(
         if train.lora is not None:
             apply_lora(lm, train.lora, train.model)
     parallel = parallel_path(train.parallel, num_ranks, "cuda")  # sized for the GPUs that will train
-    state = model_state_bytes(lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer_in_backward)
+    state = model_state_bytes(
+        lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer_in_backward, train.optimizer_offload
+    )
     mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
     tokens = max_row_tokens(config, mode, state, free, offload=train.activation_offload and mode != "off")
     limit = getattr(config, "max_position_embeddings", None)

@@ -99,6 +99,12 @@ class TrainOptions(BaseModel):
         "made and free the gradient (2 bytes a parameter less, for activations); needs grad_clip: null and one "
         "micro-batch a step, and a tensor whose gradient is not finite keeps its values while the others step",
     )
+    optimizer_offload: Literal["off", "all"] | Annotated[int, Field(ge=0)] = Field(
+        "off",
+        description="one device (parallel: single), full fine-tuning: keep AdamW moments in pinned host memory and "
+        "bring them through the GPU for their step (8 bytes a parameter less on the device, 16 over the host link a "
+        "step): a number N of decoder layers spread evenly over the stack, or all (every parameter)",
+    )
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
     )
@@ -175,6 +181,14 @@ class TrainOptions(BaseModel):
             raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
+        if self.optimizer_offload not in ("off", 0) and (
+            self.lora is not None or self.parallel == "fsdp" or self.nproc * self.nnodes > 1
+        ):
+            raise ValueError(
+                f"optimizer_offload={self.optimizer_offload!r} streams the moments of full fine-tuning on one device "
+                f"(parallel: single or auto, no LoRA); got parallel={self.parallel!r}, nproc={self.nproc} x "
+                f"nnodes={self.nnodes}" + (", LoRA" if self.lora is not None else "")
+            )
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self
@@ -248,6 +262,7 @@ class OptimConfig:
     grad_clip: float | None
     max_nonfinite_steps: int
     in_backward: bool = False  # step each parameter in the backward and drop its gradient (one device)
+    offload: str | int = "off"  # whose moments live in host memory (one device; `host_moments.offload_units`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +301,7 @@ def optim_config(c: TrainConfig) -> OptimConfig:
         grad_clip=c.grad_clip,
         max_nonfinite_steps=c.max_nonfinite_steps,
         in_backward=c.optimizer_in_backward,
+        offload=c.optimizer_offload,
     )
 
 

@@ -24,6 +24,10 @@ spends on activations instead of recomputing them. The price: no global-norm cli
 the last gradient is made, after most parameters have moved) and no whole-step skip on a non-finite gradient (a
 tensor whose gradient is not finite keeps its values and moments; the others step). One micro-batch a step only.
 
+With `offload` (units of parameters), those parameters' moments live in pinned host memory and pass through the
+device for their step (`sftflow.tasks.train.host_moments`): 8 bytes a parameter less on the device, 16 over the host
+link each step. It works with either way of stepping.
+
 Checkpoints hold exactly what the FSDP path holds: the `model` component is the fp32 masters (joined on the CPU at
 save time) under the Hugging Face names (`MasterModelState`), and the optimizer state has torch AdamW's keys, so a
 run saved here resumes under FSDP on any number of ranks and the other way round. Buffers (RoPE's `inv_freq`) are not
@@ -68,7 +72,16 @@ class MasterAdamW(torch.optim.AdamW):
     fused AdamW.
     """
 
-    def __init__(self, groups, *, lr: float, betas: tuple[float, float], eps: float, in_backward: bool = False):
+    def __init__(
+        self,
+        groups,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        in_backward: bool = False,
+        offload: list[list[nn.Parameter]] | None = None,
+    ):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=True)
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
@@ -91,14 +104,27 @@ class MasterAdamW(torch.optim.AdamW):
                     raise ValueError(f"MasterAdamW: build it on fp32 parameters (got {p.dtype}), then cast them")
                 if not p.is_contiguous():
                     p.data = p.data.contiguous()  # the step's kernel reads every tensor as one flat run
+        self.host_moments = None
+        if offload:
+            from sftflow.tasks.train.host_moments import HostMoments
+
+            self.host_moments = HostMoments(offload, next(iter(self._group_of)).device)
+        for group in self.param_groups:
+            for p in group["params"]:
                 # State up front (not at the first step): memory is taken before training, and DCP finds it to load
-                # into without a dummy step.
+                # into without a dummy step. Offloaded moments are the host tensors, never on the device whole.
+                if self.host_moments is not None and p in self.host_moments:
+                    exp_avg, exp_avg_sq = self.host_moments.host(p)
+                else:
+                    exp_avg = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    exp_avg_sq = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 self.state[p] = {
                     "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                    "exp_avg": exp_avg,
+                    "exp_avg_sq": exp_avg_sq,
                 }
-                p.register_post_accumulate_grad_hook(take_grad)
+        for p in self._group_of:
+            p.register_post_accumulate_grad_hook(take_grad)
 
     # -- gradients --------------------------------------------------------------------------------------------------
 
@@ -125,6 +151,8 @@ class MasterAdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
         self._released_sq = None  # a new tensor next step: the last norm may still be read from the old one
+        if self.host_moments is not None:
+            self.host_moments.end_round()
         super().zero_grad(set_to_none=True)
 
     def released_norm(self) -> torch.Tensor:
@@ -170,7 +198,8 @@ class MasterAdamW(torch.optim.AdamW):
         moments are contiguous fp32/bf16/int16 by construction; gradients are checked here): the GPU may be waiting
         for it."""
         assert closure is None, "MasterAdamW.step takes no closure"
-        work = []
+        hm = self.host_moments
+        work, steps = [], []
         for group in self.param_groups:
             tensors = []
             for p in group["params"]:
@@ -179,15 +208,36 @@ class MasterAdamW(torch.optim.AdamW):
                     continue
                 check_grad(p, g)
                 s = self.state[p]
-                tensors.append(MasterTensors(p.data, g, s.get("master_low"), s["exp_avg"], s["exp_avg_sq"], s["step"]))
-            beta1, beta2 = group["betas"]
-            hyper = AdamWHyper(
-                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
-            )
-            work.append((tensors, hyper))
-        advance_steps_([t.step for tensors, _ in work for t in tensors], self.found_inf)
+                steps.append(s["step"])
+                if hm is None or p not in hm:
+                    low, step = s.get("master_low"), s["step"]
+                    tensors.append(MasterTensors(p.data, g, low, s["exp_avg"], s["exp_avg_sq"], step))
+            work.append((tensors, self._hyper(group)))
+        advance_steps_(steps, self.found_inf)
         for tensors, hyper in work:
             adamw_master_step_(tensors, hyper, self.grad_scale, self.found_inf, advance_steps=False, check=False)
+        if hm is not None:  # unit by unit: the next comes in while this one steps
+            for unit in hm.units:
+                stepped = False
+                for p in unit.params:
+                    if (g := self.grad(p)) is not None:
+                        self._step_one(p, g, *hm.moments(p), self.grad_scale, self.found_inf)
+                        stepped = True
+                if stepped:
+                    hm.finish(unit)
+
+    def _hyper(self, group) -> AdamWHyper:
+        beta1, beta2 = group["betas"]
+        return AdamWHyper(
+            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
+        )
+
+    def _step_one(self, p, g, exp_avg, exp_avg_sq, grad_scale, found_inf) -> None:
+        """One parameter's update (its step counter already advanced)."""
+        s = self.state[p]
+        tensors = [MasterTensors(p.data, g, s.get("master_low"), exp_avg, exp_avg_sq, s["step"])]
+        adamw_master_step_(tensors, self._hyper(self._group_of[p]), grad_scale, found_inf, advance_steps=False,
+                           check=False)  # fmt: skip
 
     @torch.no_grad()
     def _step_released(self, p: nn.Parameter) -> None:
@@ -197,19 +247,21 @@ class MasterAdamW(torch.optim.AdamW):
         sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
         self._released_sq = sq if self._released_sq is None else self._released_sq.add_(sq)
         found_inf = (~torch.isfinite(sq)).float()  # this tensor's own skip flag, read on the device
-        group, s = self._group_of[p], self.state[p]
-        beta1, beta2 = group["betas"]
-        hyper = AdamWHyper(
-            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
-        )
+        s, hm = self.state[p], self.host_moments
         advance_steps_([s["step"]], found_inf)
-        tensors = [MasterTensors(p.data, g, s.get("master_low"), s["exp_avg"], s["exp_avg_sq"], s["step"])]
-        adamw_master_step_(tensors, hyper, None, found_inf, advance_steps=False, check=False)
+        if hm is not None and p in hm:
+            self._step_one(p, g, *hm.moments(p), None, found_inf)
+            hm.stepped(p)
+        else:
+            self._step_one(p, g, s["exp_avg"], s["exp_avg_sq"], None, found_inf)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
     def state_dict(self):
-        """torch AdamW's state dict: the masters are the `model` component, not optimizer state."""
+        """torch AdamW's state dict: the masters are the `model` component, not optimizer state. Offloaded moments
+        are their host tensors, once every copy in flight has landed."""
+        if self.host_moments is not None:
+            self.host_moments.flush()
         full = super().state_dict()
         full["state"] = {i: {k: v for k, v in s.items() if k != "master_low"} for i, s in full["state"].items()}
         return full
@@ -217,6 +269,8 @@ class MasterAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict) -> None:
         """Copy into the existing fp32 state. (torch's `load_state_dict` would cast the moments to the parameters'
         dtype, bf16.)"""
+        if self.host_moments is not None:
+            self.host_moments.flush()  # nothing in flight, and no slot keeps moments that are about to change
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups, strict=True)
@@ -264,15 +318,19 @@ class MasterModelState(Stateful):
 
 
 def single_device_model(
-    lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps, in_backward=False
-) -> tuple[nn.Module, MasterAdamW]:
+    lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps, in_backward=False,
+    offload: str | int = "off",
+) -> tuple[nn.Module, MasterAdamW]:  # fmt: skip
     """Move `lm` (fp32) to `device`, wrap it in `CausalLMLoss`, build the `MasterAdamW` over `groups` (a function of
-    the model giving torch param groups; `in_backward`: stepped in the backward), then cast the parameters to
-    `param_dtype`."""
+    the model giving torch param groups; `in_backward`: stepped in the backward; `offload`: whose moments live on the
+    host, `offload_units`), then cast the parameters to `param_dtype`."""
+    from sftflow.tasks.train.host_moments import offload_units
     from sftflow.tasks.train.model import CausalLMLoss
 
     lm.to(device)
     root = CausalLMLoss(lm)
-    optimizer = MasterAdamW(groups(root), lr=lr, betas=betas, eps=eps, in_backward=in_backward)
+    optimizer = MasterAdamW(
+        groups(root), lr=lr, betas=betas, eps=eps, in_backward=in_backward, offload=offload_units(lm, offload)
+    )
     optimizer.cast_parameters(param_dtype)
     return root, optimizer

@@ -114,11 +114,12 @@ def parallelize(
     device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
     if quantize and (parallel != "single" or not lora):
         raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
-    if c.in_backward and (parallel != "single" or lora):
-        raise ValueError(
-            f"train.optimizer_in_backward: full fine-tuning on one device (parallel: single); this run is {parallel}"
-            + (" with LoRA" if lora else "")
-        )
+    for name, asked in (("optimizer_in_backward", c.in_backward), ("optimizer_offload", c.offload not in ("off", 0))):
+        if asked and (parallel != "single" or lora):
+            raise ValueError(
+                f"train.{name}: full fine-tuning on one device (parallel: single); this run is {parallel}"
+                + (" with LoRA" if lora else "")
+            )
     if lora:
         freeze_in_dtype(lm, param_dtype)
     if parallel == "single":
@@ -135,7 +136,7 @@ def parallelize(
             return model, build_optimizer(model, c), ModelState(lm, trained_only=True)
         model, optimizer = single_device_model(
             lm, env.device, param_dtype, partial(param_groups, c=c), lr=c.lr, betas=c.betas, eps=c.eps,
-            in_backward=c.in_backward,
+            in_backward=c.in_backward, offload=c.offload,
         )  # fmt: skip
         return model, optimizer, MasterModelState(lm, optimizer)
     model = shard_model(lm, env, param_dtype)
@@ -439,8 +440,9 @@ def build_run(run_dir: Path) -> Run:
             "for this many ranks"
         )
     state = model_state_bytes(
-        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward
-    )
+        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward,
+        config.optimizer_offload,
+    )  # fmt: skip
     offload = config.activation_offload and env.device.type == "cuda"
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free
@@ -487,7 +489,13 @@ def build_run(run_dir: Path) -> Run:
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
             + (", compiled layers" if compiled else "")
-            + (f", activation checkpointing {label}" if label != "off" else ""),
+            + (f", activation checkpointing {label}" if label != "off" else "")
+            + (", optimizer in the backward" if config.optimizer_in_backward else "")
+            + (
+                f", AdamW moments of {len(optimizer.host_moments.units)} units in host memory"
+                if getattr(optimizer, "host_moments", None) is not None
+                else ""
+            ),
             flush=True,
         )
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))

@@ -57,6 +57,24 @@ def test_stepping_in_the_backward_frees_the_gradients_for_rows():
     assert held.state_bytes - released.state_bytes > 13.9 * GIB and released.tokens > held.tokens
 
 
+def test_moments_on_the_host_free_8_bytes_a_parameter_less_two_slots():
+    full = TrainOptions(model=LLAMA8B, activation_checkpointing="full", grad_clip=None)
+    held = row_capacity(full, 1, H200)
+    layer = 218_112_000  # a Llama-3.1-8B decoder layer's parameters
+    half = row_capacity(full.model_copy(update={"optimizer_offload": 16}), 1, H200)
+    assert held.state_bytes - half.state_bytes == pytest.approx(8 * 16 * layer - 16 * layer)
+    released = full.model_copy(update={"optimizer_in_backward": True})
+    everything = row_capacity(released.model_copy(update={"optimizer_offload": "all"}), 1, 80)
+    embedding = 128_256 * 4096  # the largest unit: two slots of its moments
+    assert everything.state_bytes == pytest.approx(4 * 8_030_261_248 + 2 * embedding + 16 * embedding)
+    assert everything.tokens > 0  # an 8B full fine-tune on one 80 GiB GPU
+    with pytest.raises(ValueError, match="no room"):
+        row_capacity(released, 1, 80)
+    for bad in ({"parallel": "fsdp"}, {"nproc": 2}, {"lora": {"rank": 8}}):
+        with pytest.raises(ValueError, match="optimizer_offload=2 streams the moments"):
+            TrainOptions(optimizer_offload=2, **bad)
+
+
 def test_stepping_in_the_backward_says_what_it_cannot_do():
     with pytest.raises(ValueError, match="cannot clip: set grad_clip: null"):
         TrainOptions(optimizer_in_backward=True)

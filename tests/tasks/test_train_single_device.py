@@ -153,23 +153,27 @@ def one_rank(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
     return root, base, arrays.num_steps
 
 
-def test_stepping_in_the_backward_trains_as_the_step_after_it(one_rank):
+def test_stepping_in_the_backward_and_moments_on_the_host_train_as_the_plain_step(one_rank):
     """bf16 weights, fp32 masters, one micro-batch a step: each parameter stepped in the backward (with every layer
-    recomputed in it) gives the run the step after the backward gives, bit for bit, and its checkpoints resume."""
+    recomputed in it, and one layer's moments in host memory), or every moment in host memory with the step after
+    the backward, gives the run the plain step gives, bit for bit, and the checkpoints resume."""
     root, base, num_steps = one_rank
     run(base, root / "after", activation_checkpointing="off")
-    run(base, root / "during", activation_checkpointing="full", optimizer_in_backward=True)
-    after, during = metrics(root / "after"), metrics(root / "during")
-    assert len(during) == num_steps >= 6
-    assert [r["loss"] for r in during] == [r["loss"] for r in after]
-    for a, b in zip(during, after, strict=True):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # summed in another order
-    a, b = read_dcp(root / "during" / "checkpoints" / "step-3"), read_dcp(root / "after" / "checkpoints" / "step-3")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    run(base, root / "during", activation_checkpointing="full", optimizer_in_backward=True, optimizer_offload=1)
+    run(base, root / "host", optimizer_offload="all")
+    after = metrics(root / "after")
+    assert len(after) == num_steps >= 6
+    for name in ("during", "host"):
+        got = metrics(root / name)
+        assert [r["loss"] for r in got] == [r["loss"] for r in after], name
+        for a, b in zip(got, after, strict=True):
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # summed in another order
+        a, b = read_dcp(root / name / "checkpoints" / "step-3"), read_dcp(root / "after" / "checkpoints" / "step-3")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
     out = root / "resumed"
     resume_from(root / "during", 3, out)
-    run(base, out, resume=True, optimizer_in_backward=True)
-    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in during][3:]
+    run(base, out, resume=True, optimizer_in_backward=True, optimizer_offload="all")
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in after][3:]
 
 
 def test_stepping_in_the_backward_refuses_a_plan_of_several_micro_batches(setup):

@@ -1,0 +1,154 @@
+"""AdamW moments in host memory (`train.optimizer_offload`): the same steps as moments on the device, whatever order
+the units' gradients come in, with the optimizer after the backward or in it; the same state in checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sftflow.tasks.train.config import OptimConfig
+from sftflow.tasks.train.host_moments import HostMoments, offload_units, spread
+from sftflow.tasks.train.single_device import MasterAdamW
+from sftflow.tasks.train.worker import optimizer_step, param_groups
+
+OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=None, max_nonfinite_steps=3)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _net(device: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)]).to(device)
+
+
+def _optimizer(net, dtype, in_backward=False, offload=None) -> MasterAdamW:
+    opt = MasterAdamW(param_groups(net, OPTIM), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
+                      in_backward=in_backward, offload=offload)  # fmt: skip
+    opt.cast_parameters(dtype)
+    return opt
+
+
+def _train(net, opt, steps: int, gaps: bool = False) -> list[float]:
+    device = next(net.parameters()).device
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device, next(net.parameters()).dtype)
+        out = net[:-1](x)
+        last = net[-1][0]
+        if gaps and step == 2:  # the last block's bias gets no gradient: its unit ends the step half stepped
+            out = torch.tanh(out @ last.weight.T + last.bias.detach())
+        elif not (gaps and step == 3):  # at step 3 the last block gets none at all
+            out = net[-1](out)
+        loss = out.float().square().mean()
+        loss.backward()
+        optimizer_step(net, opt, None)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _units(net, order: str) -> list[list[nn.Parameter]]:
+    units = [list(block.parameters()) for block in net]  # forward order: the prefetch guesses wrong
+    return units[::-1] if order == "backward" else units
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("order", ["backward", "forward"])
+def test_offloaded_moments_step_as_moments_on_the_device(device, in_backward, order):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ref, ours = _net(device), _net(device)
+    ref_opt = _optimizer(ref, dtype, in_backward)
+    units = _units(ours, order)
+    opt = _optimizer(ours, dtype, in_backward, offload=units[:4])  # 4 of 5 blocks: 2 slots, reused and spared
+    want = _train(ref, ref_opt, 6, gaps=True)
+    got = _train(ours, opt, 6, gaps=True)
+    assert got == want
+    hm = opt.host_moments
+    assert len(hm.slots) == 2
+    state = opt.state_dict()  # waits for the copies back
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(opt.master(p), ref_opt.master(q))
+        held = opt.state[p]
+        if p in hm:
+            assert held["exp_avg"].device.type == "cpu" and held["exp_avg"] is hm.host(p)[0]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(held[key].to(device), ref_opt.state[q][key]), key
+    assert state["state"].keys() == ref_opt.state_dict()["state"].keys()
+
+
+def test_checkpointed_state_loads_into_offloaded_moments():
+    ref, ours = _net("cpu"), _net("cpu")
+    ref_opt = _optimizer(ref, torch.float32)
+    _train(ref, ref_opt, 3)
+    saved = ref_opt.state_dict()
+    saved = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()},
+             "param_groups": saved["param_groups"]}  # fmt: skip
+    ours.load_state_dict(ref.state_dict())
+    opt = _optimizer(ours, torch.float32, offload=_units(ours, "backward"))
+    _train(ours, opt, 1)  # slots hold moments now; the load must not leave them stale
+    opt.load_state_dict(saved)
+    ours.load_state_dict(ref.state_dict())
+    assert _train(ours, opt, 3) == _train(ref, ref_opt, 3)
+
+
+def test_units_follow_the_backward_and_cover_what_they_say():
+    from sftflow.tasks.train.model import build_model
+
+    lm = build_model("tiny-llama", vocab_size=256, packed=False)
+    layers = lm.model.layers
+    everything = offload_units(lm, "all")
+    flat = [p for u in everything for p in u]
+    assert len(flat) == len({id(p) for p in flat}) == len(list(lm.parameters()))
+    assert everything[0] == [lm.lm_head.weight] or everything[0] == [lm.model.norm.weight]
+    assert everything[-1] == [lm.model.embed_tokens.weight]
+    two = offload_units(lm, 2)
+    chosen = [layers[i] for i in spread(2, len(layers))]
+    assert two == [list(layer.parameters()) for layer in chosen[::-1]]
+    assert offload_units(lm, "off") == offload_units(lm, 0) == []
+
+
+def test_spare_slots_are_dropped_after_their_unit():
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    hm = HostMoments([[p] for p in params], torch.device("cpu"), slots=2)
+    views = [hm.moments(p) for p in params]  # three units in at once: the third gets a spare
+    for (m, v), k in zip(views, (1.0, 2.0, 3.0), strict=True):
+        m.fill_(k)
+        v.fill_(-k)
+    for p in params:
+        hm.stepped(p)
+    assert [hm.host(p)[0][0].item() for p in params] == [1.0, 2.0, 3.0]
+    assert [hm.host(p)[1][0].item() for p in params] == [-1.0, -2.0, -3.0]
+    assert all(u.slot is None or not u.slot.spare for u in hm.units) and len(hm.slots) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_offloaded_moments_leave_the_device(in_backward):
+    """8 layers of 2048 x 2048: 256 MiB of moments, of which two layers' slots (64 MiB) stay on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    peaks, losses = {}, {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)]).cuda()
+        units = [[layer.weight] for layer in reversed(net)] if offload else None
+        opt = _optimizer(net, torch.bfloat16, in_backward, offload=units)
+        x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+        losses[offload] = []
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            loss = net(x).float().square().mean()
+            loss.backward()
+            optimizer_step(net, opt, None)
+            opt.zero_grad()
+            losses[offload].append(loss.item())
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated()
+        del net, opt
+    assert losses[True] == losses[False]
+    moments = 8 * 2048 * 2048 * 8
+    assert peaks[False] - peaks[True] >= 0.6 * moments, peaks
