@@ -214,8 +214,13 @@ class Checkpointer:
             return f"initialised {list(self.config.load_components)} from {path}"
         return "fresh start"
 
-    def due(self, step: int) -> bool:
-        return self.config.enabled and self.config.every > 0 and step % self.config.every == 0
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether to save after `step`: every `every` steps, and after the `last` step unless that one is saved."""
+        if not self.config.enabled:
+            return False
+        if last:
+            return self.last_saved_step != step
+        return self.config.every > 0 and step % self.config.every == 0
 
     def save(self, step: int) -> Path:
         """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""

@@ -590,7 +590,7 @@ def train(run_dir: Path) -> None:
         )
         if run.checkpointer.due(progress.step):
             run.checkpointer.save(progress.step)
-    if run.checkpointer.config.enabled and run.checkpointer.last_saved_step != progress.step:
+    if run.checkpointer.due(progress.step, last=True):
         run.checkpointer.save(progress.step)
     if config.export:
         export_run(run)
