@@ -152,3 +152,28 @@ def test_offloaded_moments_leave_the_device(in_backward):
     assert losses[True] == losses[False]
     moments = 8 * 2048 * 2048 * 8
     assert peaks[False] - peaks[True] >= 0.6 * moments, peaks
+
+
+def test_tied_embeddings_step_once_a_step():
+    """Gemma's and small Qwens' head is their embedding: its gradient adds up from two uses, and the hook that steps
+    it in the backward must fire once, after both."""
+    from transformers import AutoModelForCausalLM
+
+    from sftflow.tasks.tiny import tiny_llama_config
+
+    losses = {}
+    for mode in ("after", "in backward", "in backward, moments on the host"):
+        torch.manual_seed(0)
+        lm = AutoModelForCausalLM.from_config(tiny_llama_config(128, tie_word_embeddings=True))
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight
+        offload = offload_units(lm, "all") if "host" in mode else None
+        opt = _optimizer(lm, torch.bfloat16, in_backward=mode != "after", offload=offload)
+        losses[mode] = []
+        for step in range(4):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = lm(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer_step(lm, opt, None)
+            opt.zero_grad()
+            losses[mode].append(loss.item())
+    assert losses["in backward"] == losses["after"] == losses["in backward, moments on the host"]
