@@ -143,12 +143,12 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from sftflow.flows.config import load_config
+    from sftflow.flows.config import load_config, parse_assignments
     from sftflow.tasks.train.mock import write_mock_index
 
     config_path = WORKLOADS / f"{args.workload}.yaml"
     overrides = [a for kv in args.set for a in ("--set", kv)]
-    cfg = load_config(config_path, {k: v for k, v in (kv.split("=", 1) for kv in args.set)})
+    cfg = load_config(config_path, parse_assignments(args.set))  # read as the CLI reads them (null, lists)
     work = args.work / args.workload
     if work.exists():
         import shutil
@@ -178,6 +178,7 @@ def main() -> None:
     summary = {
         "workload": args.workload,
         "config": str(config_path.relative_to(WORKLOADS.parent.parent)),
+        "overrides": list(args.set),  # --set, so a saved summary says which variant of the config it measured
         "documents": mock.num_docs,
         "data_s": round(data_s, 1),
         "plan_s": round(plan_s, 1),

@@ -53,6 +53,12 @@ def offload_units(lm: nn.Module, mode: str | int) -> list[list[nn.Parameter]]:
     return sorted(units, key=lambda u: -min(first[id(p)] for p in u))
 
 
+def describe_units(units: list[Unit]) -> str:
+    """ "N units, X M parameters" for the worker's first line."""
+    numel = sum(u.numel for u in units)
+    return f"{len(units)} unit{'' if len(units) == 1 else 's'}, {numel / 1e6:.1f}M parameters"
+
+
 def offloaded_numel(lm: nn.Module, mode: str | int) -> tuple[int, int]:
     """(parameters whose moments `mode` offloads, the largest unit's): for the memory estimate."""
     units = offload_units(lm, mode)

@@ -54,6 +54,7 @@ from sftflow.tasks.train.data import (
 )
 from sftflow.tasks.train.export import export_hf, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
+from sftflow.tasks.train.host_moments import describe_units
 from sftflow.tasks.train.lora import apply_lora, compute_adapters_in_autocast, export_adapter, freeze_in_dtype
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
 from sftflow.tasks.train.model import (
@@ -492,7 +493,7 @@ def build_run(run_dir: Path) -> Run:
             + (f", activation checkpointing {label}" if label != "off" else "")
             + (", optimizer in the backward" if config.optimizer_in_backward else "")
             + (
-                f", AdamW moments of {len(optimizer.host_moments.units)} units in host memory"
+                f", AdamW moments in host memory ({describe_units(optimizer.host_moments.units)})"
                 if getattr(optimizer, "host_moments", None) is not None
                 else ""
             ),
