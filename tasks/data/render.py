@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -43,6 +44,12 @@ class RenderConfig(BaseModel):
 
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text_spans"] = "auto"
     template: str | None = "auto"
+    template_tokens: tuple[str, ...] | None = Field(
+        None,
+        description="special tokens your own .jinja template writes (e.g. ['<|im_start|>', '<|im_end|>']): those the "
+        "tokenizer lacks are added to a copy of it as single tokens, and training grows the model's embeddings to "
+        "match; [] keeps them as text. Built-in templates declare their own",
+    )
     mask_policy: Literal["generation", "roles"] = "generation"
     train_roles: tuple[Literal["system", "user", "assistant", "tool"], ...] = ("assistant",)
     on_bad_record: Literal["error", "reject"] = "error"
@@ -343,4 +350,28 @@ def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = N
     spec = config.template
     if spec == "auto" and config.mask_policy == "roles":
         spec = None  # the roles policy needs no tags: the tokenizer's own template, as it is
-    return load_template(spec, tokenizer, tokenizer_name=str(tokenizer_path))
+    template = load_template(spec, tokenizer, tokenizer_name=str(tokenizer_path))
+    if config.template_tokens:
+        template.writes_tokens = tuple(dict.fromkeys(template.writes_tokens + config.template_tokens))
+    elif config.template_tokens is None and tokenizer is not None and spec not in (None, "tokenizer", "auto"):
+        check_template_tokens(template, tokenizer.get_vocab(), tokenizer_path)
+    return template
+
+
+# What a special token looks like in most vocabularies (<|im_start|>, <|eot_id|>, <|/tool|>). Other markers, such as
+# <start_of_turn> or <think>, are plain text in some vocabularies and special in others, so only this form is caught.
+_SPECIAL_TOKEN_RE = re.compile(r"<\|[^<>|\s]{1,64}\|>")
+
+
+def check_template_tokens(template: ChatTemplate, vocab: dict[str, int], tokenizer_path) -> None:
+    """A template that is not the tokenizer's and declares no tokens (the user's own .jinja) must not write a
+    special-looking token the tokenizer lacks: it would be split into pieces of text without a word."""
+    if template.writes_tokens:
+        return
+    missing = sorted({t for t in _SPECIAL_TOKEN_RE.findall(template.text) if t not in vocab})
+    if missing:
+        raise TemplateProblem(
+            f"template {template.name}: writes {missing}, which tokenizer {tokenizer_path} does not have as single "
+            f"tokens; list them in data.render.template_tokens to add them to a copy of the tokenizer (training grows "
+            f"the model's embeddings to match), or set data.render.template_tokens: [] to keep them as text"
+        )

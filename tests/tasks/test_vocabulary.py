@@ -92,3 +92,36 @@ def test_lora_on_a_grown_vocabulary_is_refused_before_launch(tmp_path, tiny_toke
     with pytest.raises(ValueError, match=r"2 tokens the model lacks .* LoRA keeps the embeddings frozen"):
         run(base, tmp_path / "run", max_steps=1, lora={"rank": 4})
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_your_own_template_declares_the_tokens_it_writes(tiny_tokenizer_dir, tmp_path):
+    """A .jinja of the user's that writes special-looking tokens the tokenizer lacks is refused until it says what
+    they are: tokens to add (`template_tokens`), or text (`template_tokens: []`)."""
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.data.chat_template import builtin_template_text
+    from sftflow.tasks.data.render import TemplateProblem, resolve_template
+
+    mine = tmp_path / "mine.jinja"
+    mine.write_text(builtin_template_text("llama3"))  # <|start_header_id|>, <|end_header_id|>, <|eot_id|>
+    original = _ref(tiny_tokenizer_dir)
+    message = r"writes \['<\|end_header_id\|>', '<\|eot_id\|>', '<\|start_header_id\|>'\].*data.render.template_tokens"
+    with pytest.raises(TemplateProblem, match=message):
+        resolve_template(RenderConfig(template=str(mine)), original.path)
+    as_text = RenderConfig(template=str(mine), template_tokens=[])
+    assert resolve_template(as_text, original.path).writes_tokens == ()
+    assert with_template_tokens(as_text, original, tmp_path) == original
+    declared = RenderConfig(
+        template=str(mine), template_tokens=["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )
+    grown = with_template_tokens(declared, original, tmp_path)
+    tok = AutoTokenizer.from_pretrained(grown.path)
+    assert len(tok) == len(AutoTokenizer.from_pretrained(original.path)) + 3
+    ids = tok("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|start_header_id|>") and ids[-1] == tok.convert_tokens_to_ids(
+        "<|eot_id|>"
+    )
+    resolve_template(RenderConfig(template=str(mine)), grown.path)  # the grown tokenizer has them: no complaint
+    chatml = tmp_path / "chatml.jinja"
+    chatml.write_text(builtin_template_text("chatml"))
+    resolve_template(RenderConfig(template=str(chatml)), original.path)  # tokens the tokenizer has pass as they are
