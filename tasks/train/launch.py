@@ -233,6 +233,23 @@ def _worker_env(config: TrainConfig) -> dict:
     return env
 
 
+def check_one_device_options(config: TrainConfig) -> None:
+    """The optimizer options of the one-device path, refused before torchrun starts when `parallel: auto` will not
+    resolve to it here (a CPU run, where auto means FSDP), rather than by the worker after the model is built."""
+    if not config.optimizer_in_backward and config.optimizer_offload in ("off", 0):
+        return
+    from sftflow.tasks.train.config import parallel_path
+
+    world = config.nproc * config.nnodes
+    device = "cpu" if config.device == "cpu" or config.device == "auto" and not _cuda_available() else "cuda"
+    if parallel_path(config.parallel, world, device) != "single":
+        asked = "optimizer_in_backward" if config.optimizer_in_backward else "optimizer_offload"
+        raise ValueError(
+            f"train.{asked} runs on the one-device path, and parallel={config.parallel!r} on {device} with "
+            f"{world} process(es) is FSDP; set train.parallel: single (one process)"
+        )
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -277,6 +294,7 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
         config.model, packed=plan.mode == "packed", overrides=config.model_overrides, lora=config.lora,
         vocab_size=vocab_size,
     )  # fmt: skip
+    check_one_device_options(config)
     if config.quantize == "nf4":
         import importlib.util
 

@@ -181,3 +181,10 @@ def test_stepping_in_the_backward_refuses_a_plan_of_several_micro_batches(setup)
     with pytest.raises(ValueError, match="has 2 a step on each of 1 process"):
         run(base, root / "refused-in-backward", parallel="single", grad_clip=None, save_grads_at_steps=(),
             optimizer_in_backward=True)  # fmt: skip
+
+
+def test_one_device_options_are_refused_before_launch_where_auto_means_fsdp(one_rank):
+    root, base, _ = one_rank
+    with pytest.raises(ValueError, match="set train.parallel: single"):
+        run(base, root / "refused-auto", parallel="auto", optimizer_in_backward=True)  # the CPU: auto is FSDP
+    assert not (root / "refused-auto" / "run.json").exists()  # refused before the launch wrote anything
