@@ -54,7 +54,7 @@ def offload_units(lm: nn.Module, mode: str | int) -> list[list[nn.Parameter]]:
 
 
 def describe_units(units: list[Unit]) -> str:
-    """ "N units, X M parameters" for the worker's first line."""
+    """For the worker's first line: how many units, and how many parameters they hold."""
     numel = sum(u.numel for u in units)
     return f"{len(units)} unit{'' if len(units) == 1 else 's'}, {numel / 1e6:.1f}M parameters"
 
