@@ -163,15 +163,20 @@ class SFTConfig(BaseModel):
     def from_yaml(cls, path: str | Path) -> SFTConfig:
         return load_config(path)
 
-    @model_validator(mode="after")
-    def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
+    def accumulates(self) -> bool:
+        """Whether a training process adds up several micro-batches a step (fp32 gradients on one GPU): several
+        asked for, as many as a token target needs, or a plan for more ranks than processes (each takes several
+        planned ranks' rows)."""
         world = self.train.nproc * self.train.nnodes
-        accumulates = (
+        return (
             (self.plan.micro_batches_per_step or 1) > 1
             or self.plan.target_tokens_per_step is not None
-            or (self.plan.num_ranks or world) > world  # each process takes several planned ranks' rows
+            or (self.plan.num_ranks or world) > world
         )
-        if self.train.optimizer_in_backward and accumulates:
+
+    @model_validator(mode="after")
+    def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
+        if self.train.optimizer_in_backward and self.accumulates():
             raise ValueError(
                 "train.optimizer_in_backward steps each parameter in the backward of one micro-batch; the plan adds "
                 "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
@@ -375,8 +380,7 @@ def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
     if section["tokens_per_rank"] == "auto":
         from sftflow.tasks.train.capacity import row_capacity
 
-        # gradient accumulation (several micro-batches, or as many as a token target needs) keeps fp32 gradients
-        accumulating = (section["micro_batches_per_step"] or 1) > 1 or section["target_tokens_per_step"] is not None
+        accumulating = cfg.accumulates()
         section["tokens_per_rank"] = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size, accumulating).tokens
     mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
     return PlanConfig(num_ranks=num_ranks, mixture=mixture, **section)

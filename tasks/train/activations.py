@@ -58,6 +58,12 @@ def checkpointed_layers(mode: str | int, num_layers: int) -> int:
     return {"off": 0, "full": num_layers, "selective": (num_layers + 1) // 2}[mode]
 
 
+def spread(count: int, total: int) -> list[int]:
+    """`count` of `total` indices spread evenly over them (the layers a count of checkpointed layers picks)."""
+    count = min(max(count, 0), total)
+    return [i * total // count for i in range(count)] if count else []
+
+
 def checkpointing_label(mode: str | int, num_layers: int) -> str:
     """`off`, `full`, `selective`, or "N of L layers" for a count in between."""
     if isinstance(mode, str):
@@ -143,8 +149,7 @@ def apply_activation_checkpointing(
     from torch.utils.checkpoint import checkpoint
 
     if isinstance(mode, int):
-        count = checkpointed_layers(mode, len(layers))
-        chosen = [layers[i * len(layers) // count] for i in range(count)] if count else []
+        chosen = [layers[i] for i in spread(mode, len(layers))]
     elif mode == "off":
         chosen = []
     else:

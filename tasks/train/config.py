@@ -149,6 +149,11 @@ class TrainOptions(BaseModel):
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
     save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
 
+    @field_validator("optimizer_offload")
+    @classmethod
+    def _no_layers_is_off(cls, value):
+        return "off" if value == 0 else value  # one spelling of "nothing offloaded" for every reader
+
     @field_validator("load_components", mode="before")
     @classmethod
     def _split_components(cls, value):
@@ -181,7 +186,7 @@ class TrainOptions(BaseModel):
             raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
-        if self.optimizer_offload not in ("off", 0) and (
+        if self.optimizer_offload != "off" and (
             self.lora is not None or self.parallel == "fsdp" or self.nproc * self.nnodes > 1
         ):
             raise ValueError(

@@ -27,16 +27,11 @@ import torch
 from torch import nn
 
 
-def spread(count: int, total: int) -> list[int]:
-    """`count` of `total` indices spread evenly (as a count of checkpointed layers is)."""
-    count = min(max(count, 0), total)
-    return [i * total // count for i in range(count)] if count else []
-
-
 def offload_units(lm: nn.Module, mode: str | int) -> list[list[nn.Parameter]]:
     """The trained parameters whose moments `mode` puts on the host, as units in the backward's order: `off` none;
     a number N, N decoder layers spread evenly over the stack; `all`, every decoder layer and each other trained
     parameter (embeddings, final norm, head) on its own."""
+    from sftflow.tasks.train.activations import spread
     from sftflow.tasks.train.model import decoder_layers
 
     if mode == "off" or mode == 0:
@@ -89,6 +84,7 @@ class Unit:
     waited: bool = False  # the compute stream already waits on `ready` this round
     written: object | None = None  # event: the last copy out has landed in `host`
     stepped: set[int] = field(default_factory=set)  # ids of the parameters stepped this round
+    done: bool = False  # stepped and sent back this round
 
 
 class HostMoments:
@@ -117,7 +113,6 @@ class HostMoments:
         self.slots = [self._new_slot(largest) for _ in range(min(slots, len(self.units)))]
         self.copy_in = torch.cuda.Stream(self.device) if self.cuda else None
         self.copy_out = torch.cuda.Stream(self.device) if self.cuda else None
-        self.done: set[int] = set()  # units stepped this round, by position
 
     def _new_slot(self, numel: int, spare: bool = False) -> Slot:
         return Slot(torch.empty(2, numel, dtype=torch.float32, device=self.device), spare=spare)
@@ -177,8 +172,8 @@ class HostMoments:
     def prefetch(self) -> None:
         """Bring in the next units of the usual order that are not stepped or on the device yet, while slots are
         free (never a spare slot: prefetching is a guess)."""
-        for i, unit in enumerate(self.units):
-            if i in self.done or unit.slot is not None:
+        for unit in self.units:
+            if unit.done or unit.slot is not None:
                 continue
             slot = self._free_slot()
             if slot is None:
@@ -226,7 +221,7 @@ class HostMoments:
                     hv.copy_(v, non_blocking=True)
             unit.written = slot.released = self._event(self.copy_out)
         unit.slot, unit.stepped, unit.waited = None, set(), False
-        self.done.add(self.units.index(unit))
+        unit.done = True
 
     def end_round(self) -> None:
         """The step is over: units with parameters that had no gradient go back as they are, and the next step's
@@ -234,7 +229,7 @@ class HostMoments:
         for unit in self.units:
             if unit.stepped:
                 self._send_back(unit)
-        self.done.clear()
+            unit.done = False
         self.prefetch()
 
     def flush(self) -> None:
@@ -243,7 +238,7 @@ class HostMoments:
         for unit in self.units:
             if unit.stepped:
                 self._send_back(unit)
-            unit.slot, unit.waited = None, False
+            unit.slot, unit.waited, unit.done = None, False, False
         if self.cuda:
             self.copy_in.synchronize()
             self.copy_out.synchronize()
@@ -251,4 +246,3 @@ class HostMoments:
                 slot.released = None
             for unit in self.units:
                 unit.written = unit.ready = None
-        self.done.clear()

@@ -225,7 +225,7 @@ def _worker_env(config: TrainConfig) -> dict:
         env["OMP_NUM_THREADS"] = str(config.num_threads)
     else:
         env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // config.nproc)))
-    if config.device == "cpu" or config.device == "auto" and not _cuda_available():
+    if _runs_on_cpu(config):
         # OpenMP's default spin-waiting collapses a CPU worker on a busy machine: a thread spins at each of the
         # step's ~1000 small parallel regions while its partner waits for a core, so the demo ran 30x slower for a
         # 2x smaller share of the CPU. Sleeping threads give up the core instead, and the step slows in proportion.
@@ -236,18 +236,22 @@ def _worker_env(config: TrainConfig) -> dict:
 def check_one_device_options(config: TrainConfig) -> None:
     """The optimizer options of the one-device path, refused before torchrun starts when `parallel: auto` will not
     resolve to it here (a CPU run, where auto means FSDP), rather than by the worker after the model is built."""
-    if not config.optimizer_in_backward and config.optimizer_offload in ("off", 0):
+    if not config.optimizer_in_backward and config.optimizer_offload == "off":
         return
     from sftflow.tasks.train.config import parallel_path
 
     world = config.nproc * config.nnodes
-    device = "cpu" if config.device == "cpu" or config.device == "auto" and not _cuda_available() else "cuda"
+    device = "cpu" if _runs_on_cpu(config) else "cuda"
     if parallel_path(config.parallel, world, device) != "single":
         asked = "optimizer_in_backward" if config.optimizer_in_backward else "optimizer_offload"
         raise ValueError(
             f"train.{asked} runs on the one-device path, and parallel={config.parallel!r} on {device} with "
             f"{world} process(es) is FSDP; set train.parallel: single (one process)"
         )
+
+
+def _runs_on_cpu(config: TrainConfig) -> bool:
+    return config.device == "cpu" or config.device == "auto" and not _cuda_available()
 
 
 def _cuda_available() -> bool:

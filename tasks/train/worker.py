@@ -115,7 +115,7 @@ def parallelize(
     device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
     if quantize and (parallel != "single" or not lora):
         raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
-    for name, asked in (("optimizer_in_backward", c.in_backward), ("optimizer_offload", c.offload not in ("off", 0))):
+    for name, asked in (("optimizer_in_backward", c.in_backward), ("optimizer_offload", c.offload != "off")):
         if asked and (parallel != "single" or lora):
             raise ValueError(
                 f"train.{name}: full fine-tuning on one device (parallel: single); this run is {parallel}"

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from sftflow.tasks.train.activations import spread
 from sftflow.tasks.train.config import OptimConfig
-from sftflow.tasks.train.host_moments import HostMoments, offload_units, spread
+from sftflow.tasks.train.host_moments import HostMoments, offload_units
 from sftflow.tasks.train.single_device import MasterAdamW
 from sftflow.tasks.train.worker import optimizer_step, param_groups
 
