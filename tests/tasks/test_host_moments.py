@@ -9,7 +9,7 @@ from torch import nn
 
 from sftflow.tasks.train.activations import spread
 from sftflow.tasks.train.config import OptimConfig
-from sftflow.tasks.train.host_moments import HostMoments, offload_units
+from sftflow.tasks.train.host_moments import HOST_HEADROOM, HostMoments, check_host_room, describe_units, offload_units
 from sftflow.tasks.train.single_device import MasterAdamW
 from sftflow.tasks.train.worker import optimizer_step, param_groups
 
@@ -123,6 +123,45 @@ def test_spare_slots_are_dropped_after_their_unit():
     assert [hm.host(p)[0][0].item() for p in params] == [1.0, 2.0, 3.0]
     assert [hm.host(p)[1][0].item() for p in params] == [-1.0, -2.0, -3.0]
     assert all(u.slot is None or not u.slot.spare for u in hm.units) and len(hm.slots) == 2
+
+
+def test_host_moments_are_views_of_one_exact_buffer():
+    """Every parameter's two moments are disjoint views of one buffer of exactly 2 x the offloaded parameters."""
+    params = [nn.Parameter(torch.zeros(shape)) for shape in [(3, 5), (7,), (2, 2, 2), (1,)]]
+    hm = HostMoments([params[:2], params[2:]], torch.device("cpu"))
+    assert hm.flat.numel() == 2 * sum(p.numel() for p in params)
+    for k, p in enumerate(params):
+        for j, moment in enumerate(hm.host(p)):
+            assert moment.shape == p.shape and moment.untyped_storage().data_ptr() == hm.flat.data_ptr()
+            moment.fill_(10 * k + j + 1)
+    assert torch.equal(hm.flat.sort().values.unique_consecutive(return_counts=True)[1],
+                       torch.tensor([p.numel() for p in params for _ in range(2)]))  # fmt: skip
+    assert describe_units(hm.units) == f"2 units, 0.0M parameters, {hm.flat.numel() * 4 / 2**30:.1f} GiB on the host"
+
+
+def test_a_host_without_room_for_the_moments_is_refused_before_allocating():
+    check_host_room(1 << 30, None)  # no /proc/meminfo: nothing to check against
+    check_host_room(1 << 30, (1 << 30) + HOST_HEADROOM)
+    with pytest.raises(MemoryError, match=r"take 60\.0 GiB of host memory, and this host has 50\.0 GiB available"):
+        check_host_room(60 << 30, 50 << 30)
+
+
+@pytest.mark.gpu
+def test_host_moments_are_pinned_at_their_exact_size():
+    """Registered at their size, not drawn from torch's caching host allocator (which rounds each tensor up to a
+    power of two), and pinned as long as a view of them (the optimizer's state) lives."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    params = [nn.Parameter(torch.zeros(3, 1000, device="cuda")), nn.Parameter(torch.zeros(5, device="cuda"))]
+    hm = HostMoments([params], torch.device("cuda"))
+    assert hm.flat.untyped_storage().nbytes() == 2 * 3005 * 4 and hm.flat.is_pinned()
+    assert all(m.is_pinned() for p in params for m in hm.host(p))
+    view = hm.host(params[1])[1]
+    del hm
+    assert view.is_pinned()
+    view.copy_(torch.ones(5, device="cuda"), non_blocking=True)
+    torch.cuda.synchronize()
+    assert view.tolist() == [1.0] * 5
 
 
 @pytest.mark.gpu
