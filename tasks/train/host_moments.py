@@ -170,6 +170,9 @@ class HostMoments:
         self.slots = [self._new_slot(largest) for _ in range(min(slots, len(self.units)))]
         self.copy_in = torch.cuda.Stream(self.device) if self.cuda else None
         self.copy_out = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.cuda:  # the slots were allocated on the compute stream, maybe in blocks its queued work still reads
+            self.copy_in.wait_stream(torch.cuda.current_stream(self.device))
+            self.copy_out.wait_stream(torch.cuda.current_stream(self.device))
 
     def _new_slot(self, numel: int, spare: bool = False) -> Slot:
         return Slot(torch.empty(2, numel, dtype=torch.float32, device=self.device), spare=spare)
@@ -218,7 +221,10 @@ class HostMoments:
             for event in (slot.released, unit.written):  # the slot is read out; the host holds the latest moments
                 if event is not None:
                     self.copy_in.wait_event(event)
-            if slot.spare:  # made on the compute stream; read and written on the copy streams too
+            if slot.spare:
+                # Made on the compute stream just now, maybe in a block that its queued work still reads: written only
+                # after that work (the step waits for this copy anyway). Freed after the copy streams' uses of it too.
+                self.copy_in.wait_stream(torch.cuda.current_stream(self.device))
                 slot.buf.record_stream(self.copy_in)
                 slot.buf.record_stream(self.copy_out)
             for (m, v), (hm, hv) in zip(views, unit.host, strict=True):
