@@ -69,6 +69,11 @@ class ModelState(Stateful):
         """The whole model on rank 0's CPU (export); a collective, call it on every rank."""
         return full_model_state_dict(self.model)
 
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """One whole parameter or buffer, on this rank's device (export, a tensor at a time); gathering a sharded
+        parameter is a collective: call it on every rank, for the same names in the same order."""
+        return full_tensor(self.model, name)
+
 
 class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -263,6 +268,17 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
+
+
+def full_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """`model`'s parameter or buffer `name`, whole: a DTensor shard gathered from every rank."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        tensor = model.get_parameter(name)
+    except AttributeError:
+        tensor = model.get_buffer(name)
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

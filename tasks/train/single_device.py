@@ -316,6 +316,12 @@ class MasterModelState(Stateful):
         """The whole model on the CPU, fp32 (export)."""
         return {k: v.detach().cpu() for k, v in self.state_dict().items()}
 
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """One parameter's fp32 master (a new tensor), or a buffer, on the device (export, a tensor at a time)."""
+        if name in self.params:
+            return self.optimizer.master(self.params[name])
+        return self.model.get_buffer(name)
+
 
 def single_device_model(
     lm: nn.Module, device: torch.device, param_dtype: torch.dtype, groups, *, lr, betas, eps, in_backward=False,

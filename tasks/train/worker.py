@@ -52,7 +52,7 @@ from sftflow.tasks.train.data import (
     plan_path,
     trained_tokens_by_source,
 )
-from sftflow.tasks.train.export import export_hf, tokenizer_source
+from sftflow.tasks.train.export import export_hf, export_streamed, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.host_moments import describe_units
 from sftflow.tasks.train.lora import apply_lora, compute_adapters_in_autocast, export_adapter, freeze_in_dtype
@@ -601,21 +601,30 @@ def train(run_dir: Path) -> None:
 
 
 def export_run(run: Run) -> None:
-    """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 from the gathered weights."""
+    """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 from the gathered weights: full
+    fine-tuning a tensor group at a time, LoRA from the whole merged model."""
     config = run.config
+    out = run.run_dir / "hf"
+    if config.lora is None:
+        export_streamed(
+            run.model_state.full_tensor, run.lm.config, out, is_main=run.env.is_main, tokenizer=run.tokenizer_path,
+            dtype=config.export_dtype, source=config.model, chat_template=config.chat_template,
+        )  # fmt: skip
+        if run.env.is_main:
+            print(f"[train] exported {out}", flush=True)
+        dist.barrier()
+        return
     if config.quantize == "nf4":  # the adapters over the base read again, not the 4-bit weights
         state_dict = export_state_dict(run.lm, run.model_state.state_dict(), config.model, config.model_overrides)
     else:
         state_dict = run.model_state.full_state_dict()
     if run.env.is_main:
-        out = run.run_dir / "hf"
-        if config.lora is not None:
-            merged = export_adapter(state_dict, run.lm.config, config.lora, config.model, out)
-            if run.tokenizer_path is not None:
-                from transformers import AutoTokenizer
+        merged = export_adapter(state_dict, run.lm.config, config.lora, config.model, out)
+        if run.tokenizer_path is not None:
+            from transformers import AutoTokenizer
 
-                AutoTokenizer.from_pretrained(run.tokenizer_path).save_pretrained(out / "adapter")
-            state_dict = merged.state_dict() if config.lora.merge else None
+            AutoTokenizer.from_pretrained(run.tokenizer_path).save_pretrained(out / "adapter")
+        state_dict = merged.state_dict() if config.lora.merge else None
         if state_dict is not None:
             export_hf(
                 state_dict, run.lm.config, out, tokenizer=run.tokenizer_path, dtype=config.export_dtype,

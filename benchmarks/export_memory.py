@@ -1,0 +1,112 @@
+"""Peak host memory and time of the export (`hf/`), a tensor group at a time against the whole model at once.
+
+    python benchmarks/export_memory.py [--config benchmarks/workloads/llama-3.2-1b.json] [--dtype bf16]
+                                       [--shard-gb 5] [--modes streamed whole]
+
+Each mode runs in its own process. The process first builds the trained model's fp32 tensors (random values), which
+on a GPU run live in device memory, so they are not counted: the number reported is the process's peak resident
+memory (`ru_maxrss`) minus its resident memory once they exist, i.e. what the export itself adds on the host.
+- `streamed` (the worker now): `export_streamed`, each tensor handed over as it is (the worker gathers it on the
+  device and only its `dtype` copy reaches the host);
+- `whole` (the worker before): an fp32 copy of every tensor on the host (`full_state_dict`), loaded into a model
+  built from the config, cast to `dtype` and written by `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def child(args) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftflow.tasks.train.export import export_streamed
+
+    torch.set_num_threads(2)
+    config = AutoConfig.from_pretrained(args.config)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    source = {name: torch.full(t.shape, 0.01, dtype=torch.float32) for name, t in meta.state_dict().items()}
+    if config.tie_word_embeddings:
+        source.pop("lm_head.weight", None)
+    numel = sum(t.numel() for t in source.values())
+    base = _rss()
+    out = Path(args.out) / args.mode
+    t0 = time.perf_counter()
+    if args.mode == "streamed":
+        export_streamed(source.__getitem__, config, out, tokenizer=None, dtype=args.dtype,
+                        max_shard_bytes=int(args.shard_gb * 10**9))  # fmt: skip
+    else:
+        state = {k: v.clone() for k, v in source.items()}  # what the gather to rank 0's CPU made
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.load_state_dict(state, strict=False)
+        target = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        model.to(target).save_pretrained(out, max_shard_size=f"{args.shard_gb}GB")
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    print(json.dumps(dict(mode=args.mode, params=numel, extra_gib=(peak - base) / 2**30, seconds=seconds,
+                          files=len(files), bytes=sum((out / f).stat().st_size for f in files))))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=str(ROOT / "benchmarks" / "workloads" / "llama-3.2-1b.json"))
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--shard-gb", type=float, default=5.0)
+    parser.add_argument("--modes", nargs="+", default=["streamed", "whole"])
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        return child(args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            cmd = [sys.executable, __file__, "--mode", mode, "--out", tmp, "--config", args.config,
+                   "--dtype", args.dtype, "--shard-gb", str(args.shard_gb)]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                rows.append(dict(mode=mode, error=proc.stderr.strip().splitlines()[-1:]))
+                continue
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    import torch
+    import transformers
+
+    machine = platform.processor() or platform.machine()
+    versions = f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"{machine}, {versions}; {Path(args.config).name}, {args.dtype}, shards of {args.shard_gb} GB")
+    print("| mode | parameters | extra host memory GiB | seconds | files | bytes written |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error']} | | | | |")
+            continue
+        print(f"| {r['mode']} | {r['params'] / 1e9:.2f}B | {r['extra_gib']:.2f} | {r['seconds']:.1f} | {r['files']} | "
+              f"{r['bytes'] / 1e9:.2f} GB |")  # fmt: skip
+    ok = {r["mode"]: r for r in rows if "error" not in r}
+    if {"streamed", "whole"} <= ok.keys():
+        print(f"\nstreamed / whole: {ok['streamed']['extra_gib'] / ok['whole']['extra_gib']:.2f}x the host memory, "
+              f"{ok['streamed']['seconds'] / ok['whole']['seconds']:.2f}x the time")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
