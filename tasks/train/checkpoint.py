@@ -65,10 +65,6 @@ class ModelState(Stateful):
     def load_state_dict(self, state_dict):
         set_model_state_dict(self.model, state_dict, options=self.options)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on rank 0's CPU (export); a collective, call it on every rank."""
-        return full_model_state_dict(self.model)
-
     def full_tensor(self, name: str) -> torch.Tensor:
         """One whole parameter or buffer, on this rank's device (export, a tensor at a time); gathering a sharded
         parameter is a collective: call it on every rank, for the same names in the same order."""
@@ -279,8 +275,3 @@ def full_tensor(model: nn.Module, name: str) -> torch.Tensor:
     except AttributeError:
         tensor = model.get_buffer(name)
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the full (unsharded) state dict onto rank 0's CPU; a collective, call it on every rank."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,16 +110,45 @@ def compute_adapters_in_autocast(model: nn.Module) -> None:
             module.cast_input_dtype_enabled = False
 
 
-def export_adapter(state_dict: dict[str, torch.Tensor], config, settings: LoraSettings, base: str, out: Path):
-    """Write `out/adapter` (PEFT format) from the run's full state dict; return the merged model (for `hf/`)."""
+def export_adapter(adapters: dict[str, torch.Tensor], config, settings: LoraSettings, base: str, out: Path) -> None:
+    """Write `out` (PEFT's adapter folder) from the trained adapters (by the training model's names). PEFT's own
+    `save_pretrained` writes it, from a PEFT model built on the meta device: the base is never materialised."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    peft_model = get_peft_model(model, peft_config(settings, base))
-    missing, unexpected = peft_model.base_model.model.load_state_dict(state_dict, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"export to {out}: missing weights {sorted(set(missing) - tied)}, unexpected {unexpected}")
-    peft_model.save_pretrained(out / "adapter", safe_serialization=True)
-    return peft_model.merge_and_unload()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.name_or_path = base  # else PEFT records the config-built model's empty name as the base
+        peft_model = get_peft_model(model, peft_config(settings, base))
+    wanted = {n.removeprefix("base_model.model.") for n, _ in peft_model.named_parameters() if is_adapter(n)}
+    if wanted != set(adapters):
+        raise ValueError(
+            f"export to {out}: missing adapters {sorted(wanted - set(adapters))}, "
+            f"unexpected {sorted(set(adapters) - wanted)}"
+        )
+    state = {f"base_model.model.{name}": tensor for name, tensor in adapters.items()}
+    peft_model.save_pretrained(out, safe_serialization=True, state_dict=state)
+
+
+def merged_tensor_of(
+    lm: nn.Module, base_of: Callable[[str], torch.Tensor], adapters: dict[str, torch.Tensor]
+) -> Callable[[str], torch.Tensor]:
+    """For `export_streamed`: each tensor of the merged model by its Hugging Face name. A wrapped linear's weight is
+    its base plus the adapters' product, as PEFT merges it (`transpose(B @ A, fan_in_fan_out) * scaling`, in fp32);
+    everything else is the base's. `base_of` gives a base tensor by the training model's name (a wrapped layer's
+    `base_layer`), `adapters` the trained adapters."""
+
+    def tensor_of(name: str) -> torch.Tensor:
+        module_name, _, leaf = name.rpartition(".")
+        module = lm.get_submodule(module_name)
+        if not (hasattr(module, "lora_A") and ADAPTER in module.lora_A):
+            return base_of(name)
+        base = base_of(f"{module_name}.base_layer.{leaf}")
+        if leaf != "weight":
+            return base
+        a = adapters[f"{module_name}.lora_A.{ADAPTER}.weight"].to(base.device, torch.float32)
+        b = adapters[f"{module_name}.lora_B.{ADAPTER}.weight"].to(base.device, torch.float32)
+        delta = b @ a
+        return base.float() + (delta.T if module.fan_in_fan_out else delta) * module.scaling[ADAPTER]
+
+    return tensor_of

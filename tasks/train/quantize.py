@@ -26,14 +26,15 @@ attention, SwiGLU, residual adds), and the adapters' matmuls stay in those piece
 
 Checkpoints and export. Checkpoints hold the adapters and their optimizer state, as for LoRA; a resume quantises the
 base again from its checkpoint (quantisation is deterministic). The export's `hf/adapter/` is PEFT's folder as for
-LoRA; `merge` merges the adapters into a bf16 copy of the base read again from its checkpoint (`base_state_dict`),
-not into the dequantised 4-bit weights they were trained against: the merged model is the adapter applied to the
-original model, as `PeftModel.from_pretrained(original, adapter)` computes it.
+LoRA; `merge` merges the adapters into the bf16 base read again from its checkpoint a tensor at a time
+(`base_tensor_of`), not into the dequantised 4-bit weights they were trained against: the merged model is the
+adapter applied to the original model, as `PeftModel.from_pretrained(original, adapter)` computes it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -198,17 +199,40 @@ def _read_quantized(
                 _set_module(lm, name, nf4_linear(weight, bias, device, compute_dtype))
 
 
-def base_state_dict(lm: nn.Module, spec: str, overrides: dict | None = None) -> dict[str, torch.Tensor]:
-    """The base model read again from `spec` (its folder or hub id) in bf16 on the CPU, under `lm`'s names (a wrapped
-    projection's `base_layer`): what the export merges the adapters into."""
+def base_tensor_of(lm: nn.Module, spec: str, overrides: dict | None = None) -> Callable[[str], torch.Tensor]:
+    """A QLoRA run's base tensors for the export, by the training model's names (a wrapped projection's
+    `base_layer`), in bf16 on the CPU, read again from `spec`'s checkpoint, never the dequantised 4-bit weights. A
+    local safetensors folder that holds each tensor under its own name is read a tensor at a time; anything else
+    (a hub id, tensors that transformers converts on load) is loaded whole by `from_pretrained`."""
+    from safetensors import safe_open
+
+    files = CheckpointFiles.find(spec)
+    wanted = {checkpoint_name(n) for n, _ in lm.named_parameters(remove_duplicate=False) if not is_adapter(n)}
+    if files is None or not wanted <= set(files.files) | _tied_heads(lm):
+        whole = _base_state_dict(lm, spec, overrides)
+        return whole.__getitem__
+
+    def tensor_of(name: str) -> torch.Tensor:
+        stored = checkpoint_name(name)
+        with safe_open(files.files[stored], framework="pt") as f:
+            return f.get_tensor(stored).to(torch.bfloat16)
+
+    return tensor_of
+
+
+def _tied_heads(lm: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter under a second name (a head tied to the embedding): a
+    checkpoint need not hold them."""
+    first = {}
+    for name, param in lm.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return {checkpoint_name(n) for n, p in lm.named_parameters(remove_duplicate=False) if first[id(p)] != n}
+
+
+def _base_state_dict(lm: nn.Module, spec: str, overrides: dict | None = None) -> dict[str, torch.Tensor]:
+    """The base model read again from `spec` (its folder or hub id) in bf16 on the CPU, under `lm`'s names."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.bfloat16, **dict(overrides or {}))
     names = {checkpoint_name(n): n for n, _ in lm.named_parameters(remove_duplicate=False) if not is_adapter(n)}
     return {names.get(k, k): v for k, v in base.state_dict().items()}
-
-
-def export_state_dict(lm: nn.Module, adapters: dict[str, torch.Tensor], spec: str, overrides: dict | None = None):
-    """A QLoRA run's full state dict for the export: the trained adapters (fp32) over the base read again from its
-    checkpoint (bf16), never the dequantised 4-bit weights."""
-    return {**base_state_dict(lm, spec, overrides), **{k: v.detach().cpu() for k, v in adapters.items()}}

@@ -312,10 +312,6 @@ class MasterModelState(Stateful):
                 else:
                     self.model.get_buffer(key).copy_(value)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on the CPU, fp32 (export)."""
-        return {k: v.detach().cpu() for k, v in self.state_dict().items()}
-
     def full_tensor(self, name: str) -> torch.Tensor:
         """One parameter's fp32 master (a new tensor), or a buffer, on the device (export, a tensor at a time)."""
         if name in self.params:

@@ -41,6 +41,7 @@ from sftflow.tasks.train.checkpoint import (
     OptimizerState,
     Progress,
     SchedulerState,
+    full_tensor,
     restores_model,
 )
 from sftflow.tasks.train.compile import compile_layers, resolve_compile
@@ -52,10 +53,16 @@ from sftflow.tasks.train.data import (
     plan_path,
     trained_tokens_by_source,
 )
-from sftflow.tasks.train.export import export_hf, export_streamed, tokenizer_source
+from sftflow.tasks.train.export import export_streamed, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.host_moments import describe_units
-from sftflow.tasks.train.lora import apply_lora, compute_adapters_in_autocast, export_adapter, freeze_in_dtype
+from sftflow.tasks.train.lora import (
+    apply_lora,
+    compute_adapters_in_autocast,
+    export_adapter,
+    freeze_in_dtype,
+    merged_tensor_of,
+)
 from sftflow.tasks.train.metrics import MetricsLogger, default_peak_flops
 from sftflow.tasks.train.model import (
     CausalLMLoss,
@@ -66,7 +73,7 @@ from sftflow.tasks.train.model import (
     layer_windows,
     model_batch,
 )
-from sftflow.tasks.train.quantize import export_state_dict, quantize_base
+from sftflow.tasks.train.quantize import base_tensor_of, quantize_base
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
@@ -601,35 +608,31 @@ def train(run_dir: Path) -> None:
 
 
 def export_run(run: Run) -> None:
-    """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 from the gathered weights: full
-    fine-tuning a tensor group at a time, LoRA from the whole merged model."""
+    """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 a tensor group at a time
+    (`export_streamed`): for LoRA with `merge`, each wrapped layer's base merged with its adapters as it is written."""
     config = run.config
     out = run.run_dir / "hf"
+    options = dict(is_main=run.env.is_main, tokenizer=run.tokenizer_path, dtype=config.export_dtype,
+                   source=config.model, chat_template=config.chat_template)  # fmt: skip
     if config.lora is None:
-        export_streamed(
-            run.model_state.full_tensor, run.lm.config, out, is_main=run.env.is_main, tokenizer=run.tokenizer_path,
-            dtype=config.export_dtype, source=config.model, chat_template=config.chat_template,
-        )  # fmt: skip
-        if run.env.is_main:
-            print(f"[train] exported {out}", flush=True)
-        dist.barrier()
-        return
-    if config.quantize == "nf4":  # the adapters over the base read again, not the 4-bit weights
-        state_dict = export_state_dict(run.lm, run.model_state.state_dict(), config.model, config.model_overrides)
+        export_streamed(run.model_state.full_tensor, run.lm.config, out, **options)
     else:
-        state_dict = run.model_state.full_state_dict()
-    if run.env.is_main:
-        merged = export_adapter(state_dict, run.lm.config, config.lora, config.model, out)
-        if run.tokenizer_path is not None:
-            from transformers import AutoTokenizer
+        trained = [name for name, p in run.lm.named_parameters() if p.requires_grad]
+        # gathered on every rank (a collective under FSDP), kept by rank 0; adapters are small
+        adapters = {name: full_tensor(run.lm, name).detach().float().cpu() for name in trained}
+        if run.env.is_main:
+            export_adapter(adapters, run.lm.config, config.lora, config.model, out / "adapter")
+            if run.tokenizer_path is not None:
+                from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(run.tokenizer_path).save_pretrained(out / "adapter")
-        state_dict = merged.state_dict() if config.lora.merge else None
-        if state_dict is not None:
-            export_hf(
-                state_dict, run.lm.config, out, tokenizer=run.tokenizer_path, dtype=config.export_dtype,
-                source=config.model, chat_template=config.chat_template,
-            )  # fmt: skip
+                AutoTokenizer.from_pretrained(run.tokenizer_path).save_pretrained(out / "adapter")
+        if config.lora.merge:
+            if config.quantize == "nf4":  # the base read again from its checkpoint, not the 4-bit weights
+                base_of = base_tensor_of(run.lm, config.model, config.model_overrides)
+            else:
+                base_of = partial(full_tensor, run.lm)
+            export_streamed(merged_tensor_of(run.lm, base_of, adapters), run.lm.config, out, **options)
+    if run.env.is_main:
         print(f"[train] exported {out}", flush=True)
     dist.barrier()
 

@@ -131,3 +131,116 @@ def test_a_state_dict_that_does_not_match_the_model_is_refused(tmp_path):
                                          r"\['model\.layers\.9\.mlp\.up_proj\.weight'\]"):  # fmt: skip
         export_hf(state, model.config, tmp_path / "hf", tokenizer=None)
     assert not (tmp_path / "hf").exists()
+
+
+def _lora_model(family: str, seed: int = 1):
+    """A tiny model with PEFT's adapters injected as training injects them, lora_B made non-zero (trained)."""
+    from sftflow.tasks.train.config import LoraSettings
+    from sftflow.tasks.train.lora import apply_lora
+
+    model = _model(family)
+    settings = LoraSettings(rank=4, alpha=8.0)
+    apply_lora(model, settings, family)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    return model, settings
+
+
+@pytest.mark.parametrize("family", ["llama3_tied", "phi3"])
+def test_the_streamed_merge_is_peft_merge_and_unload(family, tmp_path):
+    """Each wrapped linear's base plus its adapters' product, as PEFT merges them, tied head and fused projections
+    included, to the bit in fp32."""
+    import copy
+
+    from sftflow.tasks.train.lora import merged_tensor_of
+
+    lm, _ = _lora_model(family)
+    adapters = {n: p.detach().clone() for n, p in lm.named_parameters() if p.requires_grad}
+    base_of = lambda name: lm.get_parameter(name) if "." in name else None  # noqa: E731
+    out = export_streamed(merged_tensor_of(lm, base_of, adapters), lm.config, tmp_path / "hf", dtype="fp32")
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    reference = copy.deepcopy(lm)
+    for module in reference.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    want = {}
+    for name, tensor in reference.state_dict().items():
+        if ".lora_" not in name:
+            want[name.replace(".base_layer.", ".")] = tensor
+    got = _stored(out)
+    assert got.keys() <= want.keys() and len(got) == len(saved_tensor_names(_model(family)))
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    changed = [k for k in got if not torch.equal(got[k], _model(family).state_dict()[k])]
+    assert changed and all("proj" in k for k in changed)
+
+
+def test_the_adapter_folder_is_what_peft_saves(tmp_path):
+    """Written from the adapters alone (a PEFT model on the meta device): the files PEFT writes from the whole model."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+
+    from sftflow.tasks.train.lora import export_adapter, peft_config
+
+    lm, settings = _lora_model("llama3_untied")
+    adapters = {n: p.detach().clone() for n, p in lm.named_parameters() if p.requires_grad}
+    export_adapter(adapters, lm.config, settings, "base-model", tmp_path / "ours")
+
+    whole = get_peft_model(_model("llama3_untied"), peft_config(settings, "base-model"))
+    whole.base_model.model.load_state_dict(lm.state_dict())
+    whole.save_pretrained(tmp_path / "peft", safe_serialization=True)
+    ours, want = (
+        load_file(tmp_path / "ours" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config.pop("base_model_name_or_path") == "base-model"  # where PeftModel.from_pretrained finds the base
+    want_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    want_config.pop("base_model_name_or_path")
+    assert config == want_config
+    adapters.pop(next(iter(adapters)))
+    with pytest.raises(ValueError, match="missing adapters"):
+        export_adapter(adapters, lm.config, settings, "base-model", tmp_path / "bad")
+
+
+def test_the_qlora_base_is_read_a_tensor_at_a_time_from_its_folder(tmp_path):
+    """What the merge adds the adapters to: the checkpoint's tensors in bf16 (from_pretrained's values), read one at a
+    time from a folder that holds them under their names; converted ones (stacked experts) come from
+    `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    from sftflow.tasks.train.quantize import base_tensor_of
+
+    lm, _ = _lora_model("llama3_tied")
+    _model("llama3_tied").save_pretrained(tmp_path / "base", max_shard_size="30kB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16).state_dict()
+    opened = []
+    import safetensors
+
+    real_open = safetensors.safe_open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, *args, **kwargs)
+
+    safetensors.safe_open = counting_open
+    try:
+        base_of = base_tensor_of(lm, str(tmp_path / "base"))
+        q = base_of("model.layers.1.self_attn.q_proj.base_layer.weight")
+        norm = base_of("model.norm.weight")
+    finally:
+        safetensors.safe_open = real_open
+    assert q.dtype == torch.bfloat16 and torch.equal(q, reference["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(norm, reference["model.norm.weight"])
+    assert len(opened) == 2  # one file per tensor read, nothing else
+
+    moe, _ = _lora_model("qwen3_moe")
+    _model("qwen3_moe").save_pretrained(tmp_path / "moe")  # one tensor per expert: not the model's stacked ones
+    stacked = base_tensor_of(moe, str(tmp_path / "moe"))("model.layers.0.mlp.experts.gate_up_proj")
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.bfloat16).state_dict()
+    assert torch.equal(stacked, want["model.layers.0.mlp.experts.gate_up_proj"])
