@@ -233,9 +233,10 @@ def _worker_env(config: TrainConfig) -> dict:
     return env
 
 
-def check_one_device_options(config: TrainConfig) -> None:
+def check_one_device_options(config: TrainConfig, vocab_size: int | None = None) -> None:
     """The optimizer options of the one-device path, refused before torchrun starts when `parallel: auto` will not
-    resolve to it here (a CPU run, where auto means FSDP), rather than by the worker after the model is built."""
+    resolve to it here (a CPU run, where auto means FSDP), or when this host has less memory available than the
+    offloaded moments take, rather than by the worker after the model is built."""
     if not config.optimizer_in_backward and config.optimizer_offload == "off":
         return
     from sftflow.tasks.train.config import parallel_path
@@ -248,6 +249,18 @@ def check_one_device_options(config: TrainConfig) -> None:
             f"train.{asked} runs on the one-device path, and parallel={config.parallel!r} on {device} with "
             f"{world} process(es) is FSDP; set train.parallel: single (one process)"
         )
+    if config.optimizer_offload != "off":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from sftflow.tasks.train.host_moments import available_host_bytes, check_host_room, offloaded_numel
+        from sftflow.tasks.train.model import model_config
+
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(
+                model_config(config.model, vocab_size=vocab_size, overrides=config.model_overrides)
+            )
+        check_host_room(8 * offloaded_numel(lm, config.optimizer_offload)[0], available_host_bytes())
 
 
 def _runs_on_cpu(config: TrainConfig) -> bool:
@@ -298,7 +311,7 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
         config.model, packed=plan.mode == "packed", overrides=config.model_overrides, lora=config.lora,
         vocab_size=vocab_size,
     )  # fmt: skip
-    check_one_device_options(config)
+    check_one_device_options(config, vocab_size)
     if config.quantize == "nf4":
         import importlib.util
 

@@ -75,6 +75,21 @@ def test_moments_on_the_host_free_8_bytes_a_parameter_less_two_slots():
             TrainOptions(optimizer_offload=2, **bad)
 
 
+def test_a_host_without_room_for_the_offloaded_moments_is_refused_before_launch():
+    """An 8B's moments take 59.8 GiB of host memory with `all`: refused by the launcher (from a meta model, before
+    torchrun and the weights load) on a host that has less available; one layer's 1.6 GiB passes."""
+    from sftflow.tasks.train.host_moments import HOST_HEADROOM, available_host_bytes
+    from sftflow.tasks.train.launch import check_one_device_options
+
+    available = available_host_bytes()
+    if available is None or available >= 8 * 8_030_261_248 + HOST_HEADROOM:
+        pytest.skip("this host has room for an 8B's moments")
+    everything = TrainOptions(model=LLAMA8B, parallel="single", optimizer_offload="all")
+    with pytest.raises(MemoryError, match=r"the offloaded AdamW moments take 59\.8 GiB of host memory"):
+        check_one_device_options(everything)
+    check_one_device_options(everything.model_copy(update={"optimizer_offload": 1}))
+
+
 def test_stepping_in_the_backward_says_what_it_cannot_do():
     with pytest.raises(ValueError, match="cannot clip: set grad_clip: null"):
         TrainOptions(optimizer_in_backward=True)
