@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from torch.utils.flop_counter import register_flop_formula
 
 LOG2E = 1.4426950408889634
 # "No sliding window": larger than any row (the kernels compare positions with position - window in int32).
@@ -658,6 +659,26 @@ def _backward(ctx, grad_o, grad_lse):
 
 
 varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# FLOPs of the ops, for torch's flop counter and for the compiler's choice of what to recompute in the backward
+# (`torch._functorch.config.activation_memory_budget`), which counts an op without a formula as free and would run the
+# attention again rather than keep its output. The documents' lengths are data, not shapes: each query is counted as
+# seeing half of the longest document (or window).
+def _attention_flops(q_shape, max_seqlen: int, window: int) -> int:
+    T, H, D = q_shape
+    return 2 * 2 * T * H * D * max(min(max_seqlen, window, T) // 2, 1)
+
+
+@register_flop_formula(torch.ops.sftflow.varlen_attention)
+def _(q_shape, k_shape, v_shape, cu_shape, max_seqlen, scale, window, *args, out_shape=None, **kwargs) -> int:
+    return _attention_flops(q_shape, max_seqlen, window)
+
+
+@register_flop_formula(torch.ops.sftflow.varlen_attention_backward)
+def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, cu_shape, max_seqlen, scale, window, *args,
+      out_shape=None, **kwargs) -> int:  # fmt: skip
+    return 5 * _attention_flops(q_shape, max_seqlen, window) // 2  # dS, dP, dV, dK, dQ products: 2.5x the forward
 
 
 def triton_varlen_attention(

@@ -38,16 +38,22 @@ log = logging.getLogger("sftflow.train")
 # per row token from 8k to 64k-token rows, 0.73-0.75 of the structural count (inductor saves fewer tensors than
 # eager), rounded up.
 SAVED_FRACTION = 0.76
+# `activation_memory_budget` that `auto` sets where rows do not fit as they are: the compiler then recomputes the
+# elementwise ops between a Llama layer's matmuls (both RMSNorms' outputs and SwiGLU's product are no longer kept),
+# which keeps 0.68 of the bytes (measured on CPU, benchmarks/RESULTS.md), with the same gradients; the estimate counts
+# a layer at the budget's share of its bytes.
+ELEMENTWISE_BUDGET = 0.7
 # Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
 OVERHEAD_BYTES = 2 * 2**30
 # The estimate may use this much of the memory the device has free when the model is built.
 USABLE_FRACTION = 0.9
 
 
-def layer_bytes_per_token(config) -> float:
-    """Bytes one token keeps for the backward in one decoder layer without checkpointing."""
+def layer_bytes_per_token(config, budget: float = 1.0) -> float:
+    """Bytes one token keeps for the backward in one decoder layer without checkpointing (`budget`: the compiled
+    layers' `activation_memory_budget`)."""
     hidden, inter = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
+    return budget * SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
 
 
 def checkpointed_layers(mode: str | int, num_layers: int) -> int:
@@ -72,11 +78,11 @@ def checkpointing_label(mode: str | int, num_layers: int) -> str:
     return "off" if count == 0 else "full" if count == num_layers else f"{count} of {num_layers} layers"
 
 
-def activation_bytes_per_token(config, mode: str | int, offload: bool = False) -> float:
+def activation_bytes_per_token(config, mode: str | int, offload: bool = False, budget: float = 1.0) -> float:
     """Bytes one row token keeps on the device for the backward, model-wide, with checkpointing `mode` (or that many
-    checkpointed layers). A checkpointed layer keeps its bf16 input (in host memory with `offload`); while one layer is
-    recomputed in the backward, its activations are live as well."""
-    layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
+    checkpointed layers) and the compiled layers' memory `budget`. A checkpointed layer keeps its bf16 input (in host
+    memory with `offload`); while one layer is recomputed in the backward, its activations are live as well."""
+    layers, one = config.num_hidden_layers, layer_bytes_per_token(config, budget)
     # With offload, the kept inputs wait on the host; the one copied back ahead of its layer's recompute is on the
     # device next to the layer being recomputed.
     kept_input = 0 if offload else 2 * config.hidden_size
@@ -110,31 +116,70 @@ def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_s
     return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
 
 
-def fits(config, mode: str | int, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> bool:
-    """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode`."""
-    need = state + row_tokens * activation_bytes_per_token(config, mode, offload) + OVERHEAD_BYTES
+def fits(
+    config, mode: str | int, row_tokens: int, state: float, free_bytes: int, offload: bool = False, budget: float = 1.0
+) -> bool:
+    """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode` (and the
+    compiled layers' memory `budget`)."""
+    need = state + row_tokens * activation_bytes_per_token(config, mode, offload, budget) + OVERHEAD_BYTES
     return need <= USABLE_FRACTION * free_bytes
 
 
 def max_row_tokens(
-    config, mode: str | int, state: float, free_bytes: int, multiple: int = 1024, offload: bool = False
-) -> int:
+    config, mode: str | int, state: float, free_bytes: int, multiple: int = 1024, offload: bool = False,
+    budget: float = 1.0,
+) -> int:  # fmt: skip
     """The longest row (a multiple of `multiple` tokens) that likely fits beside `state` with checkpointing `mode`;
     0 when even the state does not fit."""
     room = USABLE_FRACTION * free_bytes - state - OVERHEAD_BYTES
-    tokens = int(room // activation_bytes_per_token(config, mode, offload)) if room > 0 else 0
+    tokens = int(room // activation_bytes_per_token(config, mode, offload, budget)) if room > 0 else 0
     return tokens // multiple * multiple
 
 
-def choose_checkpointing(config, row_tokens: int, state: float, free_bytes: int, offload: bool = False) -> int:
+def choose_checkpointing(
+    config, row_tokens: int, state: float, free_bytes: int, offload: bool = False, budget: float = 1.0
+) -> int:
     """`auto`'s choice: the fewest decoder layers to checkpoint for the estimate to fit, so no more of the step is
     recomputed than the memory asks for (all of them also when nothing fits: the run then fails with the device's own
     out-of-memory error). Each layer left out of checkpointing keeps one layer's activations instead of its input."""
     layers = config.num_hidden_layers
     for count in range(layers):
-        if fits(config, count, row_tokens, state, free_bytes, offload):
+        if fits(config, count, row_tokens, state, free_bytes, offload, budget):
             return count
     return layers
+
+
+def resolve_memory_budget(
+    budget: str | float,
+    compiled: bool,
+    device: torch.device,
+    config,
+    row_tokens: int,
+    state: float,
+    offload: bool = False,
+    free: int | None = None,
+) -> float:
+    """The compiled layers' `activation_memory_budget`: `budget` itself, or for `auto` 1 (keep what the compiler
+    keeps) where the row fits without checkpointing or off a GPU, else `ELEMENTWISE_BUDGET`, which costs no matmul
+    and so comes before checkpointing any layer. Without compiled layers there is no budget to set: 1."""
+    if not compiled:
+        if budget != "auto" and budget < 1:
+            log.info("activation memory budget %s: no compiled layers to apply it to; ignored", budget)
+        return 1.0
+    if budget != "auto":
+        return float(budget)
+    if device.type != "cuda":
+        return 1.0
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+    return 1.0 if fits(config, "off", row_tokens, state, free, offload) else ELEMENTWISE_BUDGET
+
+
+def apply_memory_budget(budget: float) -> None:
+    """Set the compiler's `activation_memory_budget` (read when a layer first compiles: before the first step)."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = budget
 
 
 def apply_activation_checkpointing(
@@ -286,22 +331,27 @@ def resolve_activation_checkpointing(
     state: float,
     offload: bool = False,
     free: int | None = None,
+    budget: float = 1.0,
 ) -> str | int:
     """The checkpointing to apply: `mode` itself, or for `auto`, off on a CPU and on a GPU `choose_checkpointing`'s
     count of layers against the device's free memory (`state`: `state_bytes` of this run; `free`: the free bytes
-    before the model was built, when it is already on the device, else what the device has free now)."""
+    before the model was built, when it is already on the device, else what the device has free now; `budget`: the
+    compiled layers' activation memory budget)."""
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "off"
     if free is None:
         free, _ = torch.cuda.mem_get_info(device)
-    chosen = choose_checkpointing(config, row_tokens, state, free, offload)
-    longest = {m: max_row_tokens(config, m, state, free, offload=offload) for m in ("off", "selective", "full")}
+    chosen = choose_checkpointing(config, row_tokens, state, free, offload, budget)
+    modes = ("off", "selective", "full")
+    longest = {m: max_row_tokens(config, m, state, free, offload=offload, budget=budget) for m in modes}
     log.info(
-        "activation checkpointing auto: %s for rows of %d tokens (longest rows that fit: %s)",
+        "activation checkpointing auto: %s for rows of %d tokens at activation memory budget %s (longest rows that "
+        "fit: %s)",
         checkpointing_label(chosen, config.num_hidden_layers),
         row_tokens,
+        budget,
         ", ".join(f"{m} {n:,}" for m, n in longest.items()),
     )
     return chosen

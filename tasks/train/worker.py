@@ -30,8 +30,10 @@ from torch.profiler import record_function
 from sftflow.tasks.train import config as cfg
 from sftflow.tasks.train.activations import (
     apply_activation_checkpointing,
+    apply_memory_budget,
     checkpointing_label,
     resolve_activation_checkpointing,
+    resolve_memory_budget,
 )
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
 from sftflow.tasks.train.capacity import model_state_bytes
@@ -452,8 +454,12 @@ def build_run(run_dir: Path) -> Run:
         config.optimizer_offload,
     )  # fmt: skip
     offload = config.activation_offload and env.device.type == "cuda"
+    budget = resolve_memory_budget(
+        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, offload, free
+    )
+    apply_memory_budget(budget)
     checkpointing = resolve_activation_checkpointing(
-        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free
+        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free, budget
     )
     apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)
@@ -498,6 +504,7 @@ def build_run(run_dir: Path) -> Run:
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
             + (", compiled layers" if compiled else "")
             + (f", activation checkpointing {label}" if label != "off" else "")
+            + (f", activation memory budget {budget}" if budget < 1 else "")
             + (", optimizer in the backward" if config.optimizer_in_backward else "")
             + (
                 f", AdamW moments in host memory ({describe_units(optimizer.host_moments.units)})"

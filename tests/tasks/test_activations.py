@@ -306,3 +306,86 @@ def test_frozen_weights_count_at_the_bytes_they_are_held_in():
     assert frozen_weight_bytes(lm, "none") == 2 * total
     assert frozen_weight_bytes(lm, "nf4") == pytest.approx(2 * (total - linears) + NF4_BYTES_PER_WEIGHT * linears)
     assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
+
+
+def _saved_and_backward(budget: float):
+    """A compiled Llama decoder layer's forward at the compiler's activation memory `budget`: the activation bytes
+    kept for the backward, the aten ops the backward runs, and the gradients."""
+    import torch._functorch.config as functorch_config
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func._overloadpacket)
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()  # compile again under this budget
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16)
+    layer = lm.model.layers[0]
+    layer.forward = torch.compile(layer.forward, dynamic=True)
+    x = torch.randn(1, 128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    rope = lm.model.rotary_emb(x, torch.arange(128)[None])
+    params = {p.untyped_storage().data_ptr() for p in lm.parameters()} | {x.untyped_storage().data_ptr()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with functorch_config.patch(activation_memory_budget=budget):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x, position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        ops = Ops()
+        with ops:
+            out.float().square().mean().backward()
+    grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    torch._dynamo.reset()
+    return sum(kept.values()), ops.counts, grads
+
+
+def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no_more_matmuls():
+    """At `ELEMENTWISE_BUDGET` the compiler stops keeping both RMSNorms' outputs and SwiGLU's product (2 x hidden +
+    intermediate of 7 x hidden + 4 x kv + 3 x intermediate elements a token) and recomputes them in the backward: no
+    matmul and no attention runs again, and the gradients are the same to the bit."""
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET
+
+    full, full_ops, full_grads = _saved_and_backward(1.0)
+    less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET)
+    tokens, hidden, inter = 128, 256, 896
+    assert full - less == tokens * 2 * (2 * hidden + inter)
+    assert less / full < 0.72
+    matmuls = {k: v for k, v in full_ops.items() if "mm" in k or "attention" in k}
+    assert matmuls == {k: v for k, v in less_ops.items() if "mm" in k or "attention" in k}
+    assert matmuls["aten.mm"] == 14  # dX and dW of the 7 projections
+    assert not any("attention" in k and "backward" not in k for k in less_ops)
+    assert all(torch.equal(full_grads[k], less_grads[k]) for k in full_grads)
+
+
+def test_auto_budget_recomputes_elementwise_ops_before_any_layer():
+    """`activation_memory_budget: auto` keeps what the compiler keeps where the row fits as it is, else spends the
+    free recompute first: the 8B at 16k-token rows on one H200 then recomputes 24 of its layers, not 27."""
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, resolve_memory_budget
+
+    cuda = torch.device("cuda")
+    config, state = _state("8b")
+    assert resolve_memory_budget("auto", True, cuda, config, 1024, state, free=H200_FREE) == 1.0
+    budget = resolve_memory_budget("auto", True, cuda, config, 16384, state, free=H200_FREE)
+    assert budget == ELEMENTWISE_BUDGET
+    assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) == 24
+    assert activation_bytes_per_token(config, "off", budget=budget) == pytest.approx(
+        budget * activation_bytes_per_token(config, "off")
+    )
+    assert resolve_memory_budget(0.5, True, cuda, config, 16384, state, free=H200_FREE) == 0.5
+    assert resolve_memory_budget(0.5, False, cuda, config, 16384, state, free=H200_FREE) == 1.0  # nothing compiled
+    assert resolve_memory_budget("auto", True, torch.device("cpu"), config, 16384, state) == 1.0
