@@ -308,7 +308,7 @@ def test_frozen_weights_count_at_the_bytes_they_are_held_in():
     assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
 
 
-def _saved_and_backward(budget: float):
+def _saved_and_backward(budget: float, device: str = "cpu"):
     """A compiled Llama decoder layer's forward at the compiler's activation memory `budget`: the activation bytes
     kept for the backward, the aten ops the backward runs, and the gradients."""
     import torch._functorch.config as functorch_config
@@ -329,11 +329,12 @@ def _saved_and_backward(budget: float):
     config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
     torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16)
     layer = lm.model.layers[0]
     layer.forward = torch.compile(layer.forward, dynamic=True)
-    x = torch.randn(1, 128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    rope = lm.model.rotary_emb(x, torch.arange(128)[None])
+    x = torch.randn(1, 128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    x = x.to(device).requires_grad_()
+    rope = lm.model.rotary_emb(x, torch.arange(128, device=device)[None])
     params = {p.untyped_storage().data_ptr() for p in lm.parameters()} | {x.untyped_storage().data_ptr()}
     kept: dict[int, int] = {}
 
@@ -354,14 +355,17 @@ def _saved_and_backward(budget: float):
     return sum(kept.values()), ops.counts, grads
 
 
-def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no_more_matmuls():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no_more_matmuls(device):
     """At `ELEMENTWISE_BUDGET` the compiler stops keeping both RMSNorms' outputs and SwiGLU's product (2 x hidden +
     intermediate of 7 x hidden + 4 x kv + 3 x intermediate elements a token) and recomputes them in the backward: no
     matmul and no attention runs again, and the gradients are the same to the bit."""
     from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET
 
-    full, full_ops, full_grads = _saved_and_backward(1.0)
-    less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    full, full_ops, full_grads = _saved_and_backward(1.0, device)
+    less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET, device)
     tokens, hidden, inter = 128, 256, 896
     assert full - less == tokens * 2 * (2 * hidden + inter)
     assert less / full < 0.72
