@@ -112,7 +112,11 @@ def row_capacity(
         lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer_in_backward, train.optimizer_offload
     )
     mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
-    tokens = max_row_tokens(config, mode, state, free, offload=train.activation_offload and mode != "off")
+    # a budget the user set applies to compiled layers (`compile: auto` compiles on GPUs); `auto` plans at 1
+    budget = train.activation_memory_budget
+    budget = 1.0 if budget == "auto" or train.compile == "off" else budget
+    offload = train.activation_offload and mode != "off"
+    tokens = max_row_tokens(config, mode, state, free, offload=offload, budget=budget)
     limit = getattr(config, "max_position_embeddings", None)
     if limit:
         tokens = min(tokens, limit // 1024 * 1024 or limit)

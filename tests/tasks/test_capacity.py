@@ -90,6 +90,17 @@ def test_a_host_without_room_for_the_offloaded_moments_is_refused_before_launch(
     check_one_device_options(everything.model_copy(update={"optimizer_offload": 1}))
 
 
+def test_a_set_memory_budget_plans_longer_rows():
+    """`activation_memory_budget: 0.7` keeps 0.7 of each layer's bytes: the row that fits grows by ~1/0.7 (`auto`
+    plans at 1, as for rows that fit as they are; without compiled layers there is no budget)."""
+    released = TrainOptions(model=LLAMA8B, optimizer_in_backward=True, grad_clip=None)
+    plain = row_capacity(released, 1, H200)
+    budget = row_capacity(released.model_copy(update={"activation_memory_budget": 0.7}), 1, H200)
+    assert budget.tokens / plain.tokens == pytest.approx(1 / 0.7, rel=0.05)
+    eager = released.model_copy(update={"activation_memory_budget": 0.7, "compile": "off"})
+    assert row_capacity(eager, 1, H200).tokens == plain.tokens
+
+
 def test_stepping_in_the_backward_says_what_it_cannot_do():
     with pytest.raises(ValueError, match="cannot clip: set grad_clip: null"):
         TrainOptions(optimizer_in_backward=True)
