@@ -308,7 +308,7 @@ def test_frozen_weights_count_at_the_bytes_they_are_held_in():
     assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
 
 
-def _saved_and_backward(budget: float, device: str = "cpu"):
+def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool = False):
     """A compiled Llama decoder layer's forward at the compiler's activation memory `budget`: the activation bytes
     kept for the backward, the aten ops the backward runs, and the gradients."""
     import torch._functorch.config as functorch_config
@@ -332,6 +332,9 @@ def _saved_and_backward(budget: float, device: str = "cpu"):
     lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16)
     layer = lm.model.layers[0]
     layer.forward = torch.compile(layer.forward, dynamic=True)
+    if checkpointed:
+        lm.train()
+        apply_activation_checkpointing([layer], "full")
     x = torch.randn(1, 128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     x = x.to(device).requires_grad_()
     rope = lm.model.rotary_emb(x, torch.arange(128, device=device)[None])
@@ -393,3 +396,15 @@ def test_auto_budget_recomputes_elementwise_ops_before_any_layer():
     assert resolve_memory_budget(0.5, True, cuda, config, 16384, state, free=H200_FREE) == 0.5
     assert resolve_memory_budget(0.5, False, cuda, config, 16384, state, free=H200_FREE) == 1.0  # nothing compiled
     assert resolve_memory_budget("auto", True, torch.device("cpu"), config, 16384, state) == 1.0
+
+
+def test_the_budget_composes_with_checkpointed_compiled_layers():
+    """A checkpointed layer runs its compiled forward again in the backward, partitioned at the same budget: the same
+    gradients as at budget 1, and the layer keeps nothing but its input."""
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET
+
+    _, want_ops, want = _saved_and_backward(1.0, checkpointed=True)
+    kept, ops, got = _saved_and_backward(ELEMENTWISE_BUDGET, checkpointed=True)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert kept == 0  # beyond its input (left out of the count)
+    assert ops["aten.mm"] == want_ops["aten.mm"] > 14  # the projections' forward once more, and their backward
