@@ -407,3 +407,26 @@ def test_compiled_layers_hold_the_triton_attention_in_their_graph(monkeypatch, d
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for name, grad in grads_e.items():
         torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@needs_triton
+def test_the_attention_ops_count_their_flops():
+    """torch's flop counter, and the compiler's choice of what to recompute, see the attention's cost: each query over
+    half the longest document (or window), two products in the forward and five in the backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import sftflow.kernels.attention_triton  # noqa: F401  (registers the ops)
+
+    T, H, K, D = 4096, 8, 2, 64
+    with FakeTensorMode():
+        q, k, cu = torch.empty(T, H, D), torch.empty(T, K, D), torch.zeros(3, dtype=torch.int32)
+        with FlopCounterMode(display=False) as forward:
+            o, lse = torch.ops.sftflow.varlen_attention(q, k, k, cu, 1024, 0.125, 2**30)
+        with FlopCounterMode(display=False) as windowed:
+            torch.ops.sftflow.varlen_attention(q, k, k, cu, 1024, 0.125, 256)
+        with FlopCounterMode(display=False) as backward:
+            torch.ops.sftflow.varlen_attention_backward(o, q, k, k, o, lse, cu, 1024, 0.125, 2**30)
+    assert forward.get_total_flops() == 2 * 2 * T * H * D * 512
+    assert windowed.get_total_flops() == 2 * 2 * T * H * D * 128
+    assert backward.get_total_flops() == 5 * forward.get_total_flops() // 2
