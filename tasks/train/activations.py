@@ -38,22 +38,36 @@ log = logging.getLogger("sftflow.train")
 # per row token from 8k to 64k-token rows, 0.73-0.75 of the structural count (inductor saves fewer tensors than
 # eager), rounded up.
 SAVED_FRACTION = 0.76
-# `activation_memory_budget` that `auto` sets where rows do not fit as they are: the compiler then recomputes the
-# elementwise ops between a Llama layer's matmuls (both RMSNorms' outputs and SwiGLU's product are no longer kept),
-# which keeps 0.68 of the bytes (measured on CPU, benchmarks/RESULTS.md), with the same gradients; the estimate counts
-# a layer at the budget's share of its bytes.
-ELEMENTWISE_BUDGET = 0.7
+# `activation_memory_budget` that `auto` sets where rows do not fit as they are. Below 1, torch's partitioner first
+# tries its "more aggressive" min-cut, which may recompute any elementwise op (no matmul, no attention: those are not
+# on its list), and takes it if that keeps less than the budget's share; only a lower budget goes on to recompute
+# matmuls and the attention. 0.99 so selects exactly the elementwise recompute: both RMSNorms' outputs and SwiGLU's
+# product are no longer kept (measured on CPU with the layers' GPU graph, benchmarks/RESULTS.md), with the same
+# gradients. (At 0.7, Gemma 3's layer already recomputes its attention.)
+ELEMENTWISE_BUDGET = 0.99
+# The share of a layer's bytes the elementwise recompute keeps, measured: Llama 0.68, Qwen2.5 0.69, Phi-3 0.72,
+# Gemma 3 0.82 (four norms a layer, so more of what it keeps is other than norm outputs); Phi-3's 0.724 rounded up.
+ELEMENTWISE_KEPT = {"gemma3": 0.82, "gemma3_text": 0.82}
+ELEMENTWISE_KEPT_DEFAULT = 0.73
 # Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
 OVERHEAD_BYTES = 2 * 2**30
 # The estimate may use this much of the memory the device has free when the model is built.
 USABLE_FRACTION = 0.9
 
 
+def kept_share(config, budget: float) -> float:
+    """The share of a layer's saved bytes the compiled layers keep at `activation_memory_budget` `budget`: all at 1,
+    the elementwise recompute's (or less, for a budget under it) below."""
+    if budget >= 1:
+        return 1.0
+    return min(budget, ELEMENTWISE_KEPT.get(getattr(config, "model_type", ""), ELEMENTWISE_KEPT_DEFAULT))
+
+
 def layer_bytes_per_token(config, budget: float = 1.0) -> float:
     """Bytes one token keeps for the backward in one decoder layer without checkpointing (`budget`: the compiled
     layers' `activation_memory_budget`)."""
     hidden, inter = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return budget * SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
+    return kept_share(config, budget) * SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
 
 
 def checkpointed_layers(mode: str | int, num_layers: int) -> int:
@@ -160,8 +174,8 @@ def resolve_memory_budget(
     free: int | None = None,
 ) -> float:
     """The compiled layers' `activation_memory_budget`: `budget` itself, or for `auto` 1 (keep what the compiler
-    keeps) where the row fits without checkpointing or off a GPU, else `ELEMENTWISE_BUDGET`, which costs no matmul
-    and so comes before checkpointing any layer. Without compiled layers there is no budget to set: 1."""
+    keeps) where the row fits without checkpointing or off a GPU, else `ELEMENTWISE_BUDGET`, which recomputes no
+    matmul and so comes before checkpointing any layer. Without compiled layers there is no budget to set: 1."""
     if not compiled:
         if budget != "auto" and budget < 1:
             log.info("activation memory budget %s: no compiled layers to apply it to; ignored", budget)

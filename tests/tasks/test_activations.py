@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # family_configs
 
 from sftflow.tasks.train.activations import (
     OVERHEAD_BYTES,
@@ -308,7 +313,7 @@ def test_frozen_weights_count_at_the_bytes_they_are_held_in():
     assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
 
 
-def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool = False):
+def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool = False, family: str | None = None):
     """A compiled Llama decoder layer's forward at the compiler's activation memory `budget`: the activation bytes
     kept for the backward, the aten ops the backward runs, and the gradients."""
     import torch._functorch.config as functorch_config
@@ -326,8 +331,14 @@ def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool =
             return func(*args, **(kwargs or {}))
 
     torch._dynamo.reset()  # compile again under this budget
-    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    if family is None:
+        config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    else:
+        from family_configs import family_config
+
+        config = family_config(family, 64)
+        config.num_hidden_layers = 1
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16)
     layer = lm.model.layers[0]
@@ -335,9 +346,13 @@ def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool =
     if checkpointed:
         lm.train()
         apply_activation_checkpointing([layer], "full")
-    x = torch.randn(1, 128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, 128, config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     x = x.to(device).requires_grad_()
-    rope = lm.model.rotary_emb(x, torch.arange(128, device=device)[None])
+    positions = torch.arange(128, device=device)[None]
+    try:
+        rope = lm.model.rotary_emb(x, positions)
+    except TypeError:  # Gemma 3: one table per layer type
+        rope = lm.model.rotary_emb(x, positions, "full_attention")
     params = {p.untyped_storage().data_ptr() for p in lm.parameters()} | {x.untyped_storage().data_ptr()}
     kept: dict[int, int] = {}
 
@@ -382,7 +397,7 @@ def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no
 def test_auto_budget_recomputes_elementwise_ops_before_any_layer():
     """`activation_memory_budget: auto` keeps what the compiler keeps where the row fits as it is, else spends the
     free recompute first: the 8B at 16k-token rows on one H200 then recomputes 24 of its layers, not 27."""
-    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, resolve_memory_budget
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, ELEMENTWISE_KEPT_DEFAULT, resolve_memory_budget
 
     cuda = torch.device("cuda")
     config, state = _state("8b")
@@ -391,7 +406,10 @@ def test_auto_budget_recomputes_elementwise_ops_before_any_layer():
     assert budget == ELEMENTWISE_BUDGET
     assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) == 24
     assert activation_bytes_per_token(config, "off", budget=budget) == pytest.approx(
-        budget * activation_bytes_per_token(config, "off")
+        ELEMENTWISE_KEPT_DEFAULT * activation_bytes_per_token(config, "off")
+    )
+    assert activation_bytes_per_token(config, "off", budget=0.5) == pytest.approx(
+        0.5 * activation_bytes_per_token(config, "off")
     )
     assert resolve_memory_budget(0.5, True, cuda, config, 16384, state, free=H200_FREE) == 0.5
     assert resolve_memory_budget(0.5, False, cuda, config, 16384, state, free=H200_FREE) == 1.0  # nothing compiled
@@ -408,3 +426,21 @@ def test_the_budget_composes_with_checkpointed_compiled_layers():
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert kept == 0  # beyond its input (left out of the count)
     assert ops["aten.mm"] == want_ops["aten.mm"] > 14  # the projections' forward once more, and their backward
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "phi3", "gemma3"])
+def test_every_family_recomputes_only_elementwise_ops_at_the_budget_auto_sets(family):
+    """The estimate's share for each family holds, and no matmul or attention runs again (at 0.7, Gemma 3's layer
+    would run its attention again: `auto` sets 0.99, the partitioner's elementwise-only cut)."""
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, kept_share
+
+    full, full_ops, full_grads = _saved_and_backward(1.0, family=family)
+    less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET, family=family)
+    from family_configs import family_config
+
+    config = family_config(family, 64)
+    assert less / full <= kept_share(config, ELEMENTWISE_BUDGET) < 1
+    assert {k: v for k, v in full_ops.items() if "mm" in k or "attention" in k} == {
+        k: v for k, v in less_ops.items() if "mm" in k or "attention" in k
+    }
+    assert all(torch.equal(full_grads[k], less_grads[k]) for k in full_grads)
