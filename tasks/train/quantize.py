@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sftflow.tasks.train.lora import checkpoint_name, is_adapter
-from sftflow.tasks.train.weights import CheckpointFiles, checkpoint_sources, materialize
+from sftflow.tasks.train.weights import CheckpointFiles, checkpoint_sources, materialize, tied_names
 
 log = logging.getLogger("sftflow.train")
 
@@ -208,7 +208,8 @@ def base_tensor_of(lm: nn.Module, spec: str, overrides: dict | None = None) -> C
 
     files = CheckpointFiles.find(spec)
     wanted = {checkpoint_name(n) for n, _ in lm.named_parameters(remove_duplicate=False) if not is_adapter(n)}
-    if files is None or not wanted <= set(files.files) | _tied_heads(lm):
+    tied = {checkpoint_name(name) for name in tied_names(lm)}  # a tied head: no checkpoint need hold it
+    if files is None or not wanted <= set(files.files) | tied:
         whole = _base_state_dict(lm, spec, overrides)
         return whole.__getitem__
 
@@ -218,15 +219,6 @@ def base_tensor_of(lm: nn.Module, spec: str, overrides: dict | None = None) -> C
             return f.get_tensor(stored).to(torch.bfloat16)
 
     return tensor_of
-
-
-def _tied_heads(lm: nn.Module) -> set[str]:
-    """Names of parameters that are another parameter under a second name (a head tied to the embedding): a
-    checkpoint need not hold them."""
-    first = {}
-    for name, param in lm.named_parameters(remove_duplicate=False):
-        first.setdefault(id(param), name)
-    return {checkpoint_name(n) for n, p in lm.named_parameters(remove_duplicate=False) if first[id(p)] != n}
 
 
 def _base_state_dict(lm: nn.Module, spec: str, overrides: dict | None = None) -> dict[str, torch.Tensor]:

@@ -182,7 +182,7 @@ def meta_model(config, attn_implementation: str) -> nn.Module:
     return lm
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
+def tied_names(model: nn.Module) -> dict[str, str]:
     """Parameter names that share their parameter with an earlier name (a tied LM head), mapped to that name."""
     first: dict[int, str] = {}
     tied = {}
@@ -246,7 +246,7 @@ def materialize(
     from safetensors import safe_open
 
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    tied = _tied_names(model)
+    tied = tied_names(model)
     root.to_empty(device=device)
     for name, source in tied.items():
         # `to_empty` gives each module its own new parameter (FSDP2 keeps shared ones shared; plain modules do not).
