@@ -67,24 +67,46 @@ class MasterTensors:
     step: torch.Tensor
 
 
-def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+SPLIT_CHUNK = 1 << 24  # elements split at a time: the int64 arithmetic takes ~40 bytes an element while it runs
+
+
+def split_master(master: torch.Tensor, chunk: int = SPLIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 master -> (bf16 parameter, int16 low bits) with `join_master(*split) == master`, bit for bit.
 
     The parameter is the master rounded to nearest, ties away from zero: adding half a bf16 step to the bit pattern
     and truncating leaves a remainder in [-2^15, 2^15), which int16 holds. (Ties to even would need one value more:
-    at a tie the remainder is +2^15 or -2^15.) It is torch's bf16 cast except at exact ties, 1 in 2^16 values."""
-    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    high = (bits + 0x8000) >> 16
-    low = bits - (high << 16)
-    param = torch.where(high >= 0x8000, high - 0x10000, high).to(torch.int16).view(torch.bfloat16)
-    return param, low.to(torch.int16)
+    at a tie the remainder is +2^15 or -2^15.) It is torch's bf16 cast except at exact ties, 1 in 2^16 values.
+
+    Done `chunk` elements at a time into the two outputs, so the temporaries stay near 0.7 GB whatever the tensor
+    (whole, an 8B model's 525M-element embedding would take ~21 GB of them on its device)."""
+    flat = master.contiguous().view(-1)
+    param = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+    low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+    param_flat, low_flat = param.view(-1), low.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        end = min(start + chunk, flat.numel())
+        bits = flat[start:end].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        high = (bits + 0x8000) >> 16
+        low_flat[start:end] = bits - (high << 16)
+        param_flat[start:end] = torch.where(high >= 0x8000, high - 0x10000, high).to(torch.int16).view(torch.bfloat16)
+    return param, low
 
 
-def join_master(param: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
-    """The fp32 master of a bf16 `param` and its `low` bits (a new tensor); an fp32 `param` is its own master."""
+def join_master(param: torch.Tensor, low: torch.Tensor | None, chunk: int = SPLIT_CHUNK) -> torch.Tensor:
+    """The fp32 master of a bf16 `param` and its `low` bits (a new tensor); an fp32 `param` is its own master. Joined
+    `chunk` elements at a time, so that the temporaries stay small beside the result."""
     if low is None:
         return param
-    return (param.float().view(torch.int32) + low.to(torch.int32)).view(torch.float32)
+    master = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    bits, param_flat, low_flat = (
+        master.view(torch.int32).view(-1),
+        param.contiguous().view(-1),
+        low.contiguous().view(-1),
+    )
+    for start in range(0, bits.numel(), chunk):
+        end = min(start + chunk, bits.numel())
+        bits[start:end] = param_flat[start:end].float().view(torch.int32) + low_flat[start:end].to(torch.int32)
+    return master
 
 
 def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dispatch.BackendChoice:

@@ -41,6 +41,14 @@ def test_split_master_is_exact_and_rounds_to_nearest():
         assert torch.equal(param[~tie], master[~tie].to(torch.bfloat16))  # torch's cast, away from ties
         away = param[tie].float().abs() > master[tie].abs()
         assert away.all()  # ties round away from zero
+        # a chunk at a time (the default chunk holds these whole): the same bits, across every chunk boundary
+        for got, want in zip(split_master(master.view(-1), chunk=4097), (param, low), strict=True):
+            assert torch.equal(got.view(torch.int16), want.view(-1).view(torch.int16))
+        assert torch.equal(join_master(param, low, chunk=4097).view(torch.int32), master.view(torch.int32))
+    master = torch.randn(33, 65, generator=g)
+    param, low = split_master(master, chunk=100)
+    assert param.shape == low.shape == (33, 65)
+    assert torch.equal(join_master(param, low, chunk=100).view(torch.int32), master.view(torch.int32))
 
 
 def _state(shape, split: bool, device, seed):
