@@ -18,20 +18,12 @@ import argparse
 import json
 import platform
 import resource
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+from host_memory import resident_bytes, run_modes
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def child(args) -> None:
@@ -48,7 +40,7 @@ def child(args) -> None:
     if config.tie_word_embeddings:
         source.pop("lm_head.weight", None)
     numel = sum(t.numel() for t in source.values())
-    base = _rss()
+    base = resident_bytes()
     out = Path(args.out) / args.mode
     t0 = time.perf_counter()
     if args.mode == "streamed":
@@ -78,16 +70,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode:
         return child(args)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            cmd = [sys.executable, __file__, "--mode", mode, "--out", tmp, "--config", args.config,
-                   "--dtype", args.dtype, "--shard-gb", str(args.shard_gb)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                rows.append(dict(mode=mode, error=proc.stderr.strip().splitlines()[-1:]))
-                continue
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    rows = run_modes(
+        __file__, args.modes, ["--config", args.config, "--dtype", args.dtype, "--shard-gb", str(args.shard_gb)]
+    )
     import torch
     import transformers
 

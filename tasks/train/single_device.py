@@ -51,6 +51,7 @@ from sftflow.kernels.adamw import (
     join_master,
     split_master,
 )
+from sftflow.tasks.train.deferred import deferred, deferred_of
 
 
 def check_grad(p: nn.Parameter, g: torch.Tensor) -> None:
@@ -293,20 +294,28 @@ class MasterAdamW(torch.optim.AdamW):
 
 class MasterModelState(Stateful):
     """The `model` checkpoint component of a `MasterAdamW` run: the fp32 masters, under `get_model_state_dict`'s keys
-    (what the FSDP path saves), joined into CPU tensors at save time. Loading splits them back into the parameters
-    and their low bits."""
+    (what the FSDP path saves). Each master is a `deferred` entry: the checkpointer's planners join it when the writer
+    reaches it and split a loaded one back into the parameter and its low bits as soon as it is read, so one master at
+    a time is on the host (all of them at once are 4 bytes a parameter)."""
 
     def __init__(self, model: nn.Module, optimizer: MasterAdamW):
         self.model, self.optimizer = model, optimizer
         self.params = dict(model.named_parameters(remove_duplicate=False))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        def entry(p: nn.Parameter) -> torch.Tensor:
+            return deferred(
+                p.shape, torch.float32, lambda: self.optimizer.master(p), lambda v: self.optimizer.set_master(p, v)
+            )
+
         state = get_model_state_dict(self.model)
-        return {k: self.optimizer.master(self.params[k]).cpu() if k in self.params else v for k, v in state.items()}
+        return {k: entry(self.params[k]) if k in self.params else v for k, v in state.items()}
 
     def load_state_dict(self, state_dict) -> None:
         with torch.no_grad():
             for key, value in state_dict.items():
+                if deferred_of(value) is not None:
+                    continue  # consumed as it was read
                 if key in self.params:
                     self.optimizer.set_master(self.params[key], value)
                 else:

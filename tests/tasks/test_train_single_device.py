@@ -103,15 +103,37 @@ def test_single_device_bf16_matches_fsdp_mixed_precision(setup):
     assert masters and all(v.dtype == torch.float32 for v in masters.values())
 
 
-@pytest.mark.parametrize("saved, resumed, nproc", [("single", "fsdp", 2), ("fsdp", "single", 1)])
-def test_checkpoints_move_between_single_and_fsdp(setup, fsdp_fp32, single_fp32, saved, resumed, nproc):
+@pytest.fixture(scope="module")
+def single_to_fsdp(setup, single_fp32):
+    """The one-device run's step-3 checkpoint resumed on 2 FSDP ranks, whose checkpoints hold each tensor in 2
+    chunks, one from each rank."""
+    root, base, _ = setup
+    out = root / "single-to-fsdp"
+    resume_from(single_fp32, 3, out)
+    run(base, out, nproc=2, parallel="fsdp", resume=True, save_grads_at_steps=())
+    return out
+
+
+@pytest.mark.parametrize("saved, resumed", [("single", "fsdp"), ("fsdp", "single"), ("fsdp on 2 ranks", "single")])
+def test_checkpoints_move_between_single_and_fsdp(setup, fsdp_fp32, single_fp32, single_to_fsdp, saved, resumed):
     root, base, num_steps = setup
-    source = {"single": single_fp32, "fsdp": fsdp_fp32}[saved]
-    out = root / f"{saved}-to-{resumed}"
-    resume_from(source, 3, out)
-    run(base, out, nproc=nproc, parallel=resumed, resume=True, save_grads_at_steps=())
-    assert [r["step"] for r in metrics(out)] == list(range(4, num_steps + 1))
-    for step, (a, b) in enumerate(zip(losses(out), losses(source)[3:], strict=True), 4):
+    if saved == "single":  # resumed on 2 FSDP ranks by the fixture
+        out, start, source = single_to_fsdp, 3, single_fp32
+    else:  # a one-device run takes over an FSDP run's checkpoint: its masters arrive a chunk at a time
+        start = 3 if saved == "fsdp" else 6
+        assert num_steps > start
+        if saved == "fsdp on 2 ranks":
+            import torch.distributed.checkpoint as dcp
+
+            metadata = dcp.FileSystemReader(str(single_to_fsdp / "checkpoints" / "step-6")).read_metadata()
+            chunks = [len(m.chunks) for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")]
+            assert max(chunks) == 2
+        out = root / f"{saved}-to-{resumed}".replace(" ", "-")
+        resume_from(fsdp_fp32 if saved == "fsdp" else single_to_fsdp, start, out)
+        run(base, out, nproc=1, parallel=resumed, resume=True, save_grads_at_steps=())
+        source = fsdp_fp32
+    assert [r["step"] for r in metrics(out)] == list(range(start + 1, num_steps + 1))
+    for step, (a, b) in enumerate(zip(losses(out), losses(source)[start:], strict=True), start + 1):
         assert rel(a, b) <= 1e-4, (step, a, b)
 
 

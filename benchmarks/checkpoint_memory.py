@@ -1,0 +1,121 @@
+"""Host memory and time of saving and loading the one-device path's `model` checkpoint component (its fp32 masters).
+
+    python benchmarks/checkpoint_memory.py [--config benchmarks/workloads/llama-3.2-1b.json] [--layers 8]
+                                           [--modes deferred deferred-one-file joined]
+
+Each mode runs in its own process: it builds a `MasterAdamW` over the model (bf16 parameters, the masters' low bits
+and fp32 moments, as on a GPU but in host memory here), then saves the `model` component with DCP and loads it
+back, after the parameters were overwritten. The numbers are the process's peak resident memory during each phase
+(`VmHWM`, reset before it) minus its resident memory before it: what the save or the load adds on the host.
+- `deferred` (the worker now): `MasterModelState` with `DeferredSavePlanner` / `DeferredLoadPlanner`: each master is
+  joined when the writer reaches it, and split back into its parameter as soon as it is read; a file per tensor
+  (`checkpoint.storage_writer`);
+- `deferred-one-file`: the same with DCP's default writer (one file per rank), which keeps every tensor it wrote
+  until the file closes;
+- `joined` (the worker before): every master joined into a CPU tensor before DCP starts (4 bytes a parameter), and
+  read back into such tensors before any is split; one file per rank.
+Both check that the loaded masters equal the saved ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from host_memory import peak_bytes, reset_peak, run_modes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(args) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.stateful import Stateful
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sftflow.tasks.train.checkpoint import storage_writer
+    from sftflow.tasks.train.deferred import DeferredLoadPlanner, DeferredSavePlanner
+    from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState
+
+    class JoinedModelState(Stateful):  # the worker's `model` component before the deferred entries
+        def __init__(self, state: MasterModelState):
+            self.inner = state
+
+        def state_dict(self):
+            names = self.inner.model.state_dict().keys()
+            return {k: self.inner.optimizer.master(self.inner.params[k]).cpu() for k in names}
+
+        def load_state_dict(self, state_dict):
+            for key, value in state_dict.items():
+                self.inner.optimizer.set_master(self.inner.params[key], value)
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.config, num_hidden_layers=args.layers)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    optimizer = MasterAdamW(lm.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8)
+    optimizer.cast_parameters(torch.bfloat16)
+    state = MasterModelState(lm, optimizer)
+    numel = sum(p.numel() for p in lm.parameters())
+    sums = {name: optimizer.master(p).double().sum().item() for name, p in lm.named_parameters()}
+    path = Path(args.out) / args.mode
+    writer = storage_writer(path) if args.mode == "deferred" else dcp.FileSystemWriter(str(path))
+    if args.mode.startswith("deferred"):
+        component, save_planner, load_planner = state, DeferredSavePlanner(), DeferredLoadPlanner()
+    else:
+        component, save_planner, load_planner = JoinedModelState(state), None, None
+    base = reset_peak()
+    t0 = time.perf_counter()
+    dcp.save({"model": component}, storage_writer=writer, planner=save_planner, no_dist=True)
+    save_s, save_gib = time.perf_counter() - t0, (peak_bytes() - base) / 2**30
+    with torch.no_grad():
+        for p in lm.parameters():
+            optimizer.set_master(p, torch.zeros(p.shape))
+    base = reset_peak()
+    t0 = time.perf_counter()
+    dcp.load({"model": component}, checkpoint_id=str(path), planner=load_planner, no_dist=True)
+    load_s, load_gib = time.perf_counter() - t0, (peak_bytes() - base) / 2**30
+    wrong = [n for n, p in lm.named_parameters() if optimizer.master(p).double().sum().item() != sums[n]]
+    assert not wrong, f"{args.mode}: masters not restored: {wrong[:3]}"
+    files = len(list(path.glob("*.distcp")))
+    print(json.dumps(dict(mode=args.mode, params=numel, save_gib=save_gib, save_s=save_s, load_gib=load_gib,
+                          load_s=load_s, files=files)))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=str(ROOT / "benchmarks" / "workloads" / "llama-3.2-1b.json"))
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (the 1B shape has 16: 20 GB to build)")
+    parser.add_argument("--modes", nargs="+", default=["deferred", "deferred-one-file", "joined"])
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        return child(args)
+    rows = run_modes(__file__, args.modes, ["--config", args.config, "--layers", str(args.layers)])
+    import torch
+
+    machine = platform.processor() or platform.machine()
+    print(f"{machine}, python {platform.python_version()}, torch {torch.__version__}; {Path(args.config).name} with "
+          f"{args.layers} layers, the `model` component (fp32 masters) alone")  # fmt: skip
+    print("| mode | parameters | files | save: extra host GiB | save s | load: extra host GiB | load s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error']} | | | | | |")
+            continue
+        print(f"| {r['mode']} | {r['params'] / 1e9:.2f}B | {r['files']} | {r['save_gib']:.2f} | {r['save_s']:.1f} | "
+              f"{r['load_gib']:.2f} | {r['load_s']:.1f} |")  # fmt: skip
+    ok = {r["mode"]: r for r in rows if "error" not in r}
+    if {"deferred", "joined"} <= ok.keys():
+        d, j = ok["deferred"], ok["joined"]
+        print(f"\ndeferred / joined: save {d['save_gib'] / j['save_gib']:.2f}x the host memory, "
+              f"{d['save_s'] / j['save_s']:.2f}x the time; load {d['load_gib'] / j['load_gib']:.2f}x the host memory, "
+              f"{d['load_s'] / j['load_s']:.2f}x the time")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
