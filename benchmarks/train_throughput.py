@@ -745,7 +745,11 @@ class Bench:
         from transformers.models.llama import modeling_llama
 
         from sftflow.tasks.train import config as cfg
-        from sftflow.tasks.train.activations import apply_activation_checkpointing
+        from sftflow.tasks.train.activations import (
+            ELEMENTWISE_BUDGET,
+            apply_activation_checkpointing,
+            apply_memory_budget,
+        )
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
@@ -763,6 +767,13 @@ class Bench:
 
             apply_lora(lm, LoraSettings(rank=LORA_RANK, targets="all-linear"), "benchmark")
         original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
+        # The worker's `activation_memory_budget: auto` where the layers compile: elementwise recompute (0.99) once
+        # any layer is checkpointed, else 1; the loop resets it to torch's 1 before every mode.
+        if args.memory_budget != "auto":
+            budget = float(args.memory_budget)
+        else:
+            budget = ELEMENTWISE_BUDGET if compiled and checkpointing != "off" else 1.0
+        apply_memory_budget(budget)
         if compiled:
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm), device=env.device, dtype=self.param_dtype)
@@ -839,7 +850,7 @@ class Bench:
         extra = {
             "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
             f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}, "
-            f"activation checkpointing {checkpointing}"
+            f"activation checkpointing {checkpointing}, activation memory budget {budget}"
             + (f", LoRA r{LORA_RANK} all-linear" if lora else "")
             + (", NF4 base (QLoRA)" if quantize else "")
             + (" (compiled layers, T-major RoPE)" if compiled else " (eager)"),
@@ -1152,6 +1163,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--compile-warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--memory-budget",
+        default="auto",
+        help="the D modes' train.activation_memory_budget: auto (as the worker: 0.99 with checkpointed compiled "
+        "layers, else 1) or a number in (0, 1]",
+    )
     p.add_argument("--breakdown-steps", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--trace", action="store_true", help="also write the profiled steps' chrome trace (.trace.json.gz)")
@@ -1255,11 +1272,14 @@ def main(argv=None) -> dict:
             "Lp": bench.mode_lora_peer,
             "Q": partial(bench.mode_d, "Q", out, parallel="single", lora=True, quantize=True),
         }
+        from sftflow.tasks.train.activations import apply_memory_budget
+
         for mode in modes:
             if time.perf_counter() - t_start > args.budget_s:
                 report["results"].append({"mode": mode, "error": "skipped: time budget spent"})
                 continue
             free_everything(env.device)
+            apply_memory_budget(1.0)  # torch's default: a peer never inherits the budget a D mode set
             left_over = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
             t_mode = time.perf_counter()
             try:

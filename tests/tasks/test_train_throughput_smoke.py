@@ -32,6 +32,7 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     assert set(d["breakdown_ms_median"]) == phases
     assert 0.3 < report["data"]["trained_fraction"] < 0.7
     assert "| D |" in (out / "train_throughput.md").read_text()
+    assert "activation memory budget 1.0" in d["what"]  # the worker's auto: nothing checkpointed, eager on CPU
 
 
 def test_a_baseline_runs_on_two_ranks_and_counts_both_ranks_tokens(tmp_path):
