@@ -56,7 +56,9 @@ class DeferredLoadPlanner(DefaultLoadPlanner):
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
         self._chunks_left = Counter(
-            item.dest_index.fqn for item in plan.items if deferred_of(self.state_dict.get(item.dest_index.fqn))
+            item.dest_index.fqn
+            for item in plan.items
+            if deferred_of(self.state_dict.get(item.dest_index.fqn)) is not None
         )
         self._buffers: dict[str, torch.Tensor] = {}
         return plan
