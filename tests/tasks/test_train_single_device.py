@@ -210,3 +210,19 @@ def test_one_device_options_are_refused_before_launch_where_auto_means_fsdp(one_
     with pytest.raises(ValueError, match="set train.parallel: single"):
         run(base, root / "refused-auto", parallel="auto", optimizer_in_backward=True)  # the CPU: auto is FSDP
     assert not (root / "refused-auto" / "run.json").exists()  # refused before the launch wrote anything
+
+
+@pytest.mark.gpu
+def test_a_one_gpu_run_resumes_its_masters_and_moments_from_a_checkpoint(one_rank):
+    """On a GPU the checkpoint's writer copies device tensors out ahead of the file (the masters joined on the
+    device as it reaches them) and a resume splits each master as it is read: the resumed run's first step computes
+    the loss the uninterrupted run computed there, bit for bit, and the rest follow it."""
+    root, base, num_steps = one_rank
+    whole, out = root / "cuda", root / "cuda-resumed"
+    run(base, whole, device="cuda", compile="off", grad_clip=1.0)
+    resume_from(whole, 3, out)
+    run(base, out, device="cuda", compile="off", grad_clip=1.0, resume=True)
+    want, got = [r["loss"] for r in metrics(whole)][3:], [r["loss"] for r in metrics(out)]
+    assert len(got) == len(want) == num_steps - 3
+    assert got[0] == want[0]
+    assert got == pytest.approx(want, rel=1e-3)  # the backward's atomics may order sums differently
