@@ -6,7 +6,8 @@ such as the torchrun workers, or Prefect loading `flows/sft.py` by path from a d
 would also import as top-level `flows`, `tasks` and `kernels`. `kernels` is a real PyPI package that transformers
 depends on and imports when it loads a model; finding this folder instead fails every model load with "cannot import
 name ... from 'kernels'". A finder placed first on `sys.meta_path` looks those three names up on `sys.path` without
-the checkout's root, so the installed package wins; where none is installed, the normal lookup goes on unchanged.
+any sftflow checkout's root (this one's, or another clone's that a command was started from), so the installed
+package wins; where none is installed, the normal lookup goes on unchanged.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from pathlib import Path
 # tasks/core/imports.py -> the folder that holds `tasks/` (a checkout's root, or site-packages/sftflow in a wheel)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 _NAMES = frozenset({"flows", "tasks", "kernels"})
+_CHECKOUT_MARKERS = ("tasks/core/imports.py", "kernels/__init__.py", "flows/__init__.py")
 
 
 def _is_source_root(entry: str) -> bool:
+    """Whether `entry` is this checkout's root or another sftflow checkout's (a second clone started from while this
+    one is installed): either would shadow the installed packages the same way."""
     try:
-        return Path(entry or os.getcwd()).resolve() == SOURCE_ROOT
+        root = Path(entry or os.getcwd()).resolve()
+        return root == SOURCE_ROOT or all((root / marker).is_file() for marker in _CHECKOUT_MARKERS)
     except OSError:  # a deleted working directory or an unreadable entry: not ours
         return False
 

@@ -2,30 +2,49 @@
 `kernels/` folder the top-level `kernels` that transformers imports when it loads a model."""
 
 import importlib.metadata
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from sftflow.tasks.core.imports import SOURCE_ROOT
 
 
-def _run_in_checkout(code: str) -> subprocess.CompletedProcess:
-    # `python -c` puts the working directory (here the checkout's root) first on sys.path
-    return subprocess.run([sys.executable, "-c", code], cwd=SOURCE_ROOT, capture_output=True, text=True, timeout=300)
+def _run_in_checkout(code: str, root: Path = SOURCE_ROOT) -> subprocess.CompletedProcess:
+    # `python -c` puts the working directory (here a checkout's root) first on sys.path
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+FIND_KERNELS = (
+    "import sftflow.tasks, importlib.util; s = importlib.util.find_spec('kernels'); print(s.origin if s else None)"
+)
+
+
+def _expected_kernels(root: Path) -> str:
+    try:  # the PyPI package where one is installed, else the normal lookup (the checkout's folder)
+        return str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        return str(root / "kernels" / "__init__.py")
 
 
 @pytest.mark.skipif(not (SOURCE_ROOT / "kernels").is_dir(), reason="not a checkout (installed from a wheel)")
 def test_top_level_kernels_is_the_installed_package_or_absent():
-    out = _run_in_checkout(
-        "import sftflow.tasks, importlib.util; s = importlib.util.find_spec('kernels'); print(s.origin if s else None)"
-    )
+    out = _run_in_checkout(FIND_KERNELS)
     assert out.returncode == 0, out.stderr
-    try:  # the PyPI package where one is installed, else the normal lookup (the checkout's folder)
-        expected = str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
-    except importlib.metadata.PackageNotFoundError:
-        expected = str(SOURCE_ROOT / "kernels" / "__init__.py")
-    assert out.stdout.strip() == expected
+    assert out.stdout.strip() == _expected_kernels(SOURCE_ROOT)
+
+
+@pytest.mark.skipif(not (SOURCE_ROOT / "kernels").is_dir(), reason="not a checkout (installed from a wheel)")
+def test_another_checkouts_root_does_not_shadow_the_installed_package_either(tmp_path):
+    """sftflow installed from one clone, a command started from another clone's root."""
+    other = tmp_path / "other-clone"
+    for folder in ("flows", "tasks", "kernels"):
+        shutil.copytree(SOURCE_ROOT / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    out = _run_in_checkout(FIND_KERNELS, other)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _expected_kernels(other)
 
 
 @pytest.mark.skipif(not (SOURCE_ROOT / "kernels").is_dir(), reason="not a checkout (installed from a wheel)")
