@@ -28,10 +28,10 @@ With `offload` (units of parameters), those parameters' moments live in pinned h
 device for their step (`sftflow.tasks.train.host_moments`): 8 bytes a parameter less on the device, 16 over the host
 link each step. It works with either way of stepping.
 
-Checkpoints hold exactly what the FSDP path holds: the `model` component is the fp32 masters (joined on the CPU at
-save time) under the Hugging Face names (`MasterModelState`), and the optimizer state has torch AdamW's keys, so a
-run saved here resumes under FSDP on any number of ranks and the other way round. Buffers (RoPE's `inv_freq`) are not
-cast: FSDP's mixed precision leaves them fp32 too.
+Checkpoints hold exactly what the FSDP path holds: the `model` component is the fp32 masters (each joined as the
+checkpoint writer reaches it) under the Hugging Face names (`MasterModelState`), and the optimizer state has torch
+AdamW's keys, so a run saved here resumes under FSDP on any number of ranks and the other way round. Buffers (RoPE's
+`inv_freq`) are not cast: FSDP's mixed precision leaves them fp32 too.
 """
 
 from __future__ import annotations
