@@ -746,10 +746,11 @@ class Bench:
 
         from sftflow.tasks.train import config as cfg
         from sftflow.tasks.train.activations import (
-            ELEMENTWISE_BUDGET,
             apply_activation_checkpointing,
             apply_memory_budget,
+            resolve_memory_budget,
         )
+        from sftflow.tasks.train.capacity import model_state_bytes
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
@@ -767,19 +768,20 @@ class Bench:
 
             apply_lora(lm, LoraSettings(rank=LORA_RANK, targets="all-linear"), "benchmark")
         original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
-        # The worker's `activation_memory_budget: auto` where the layers compile: elementwise recompute (0.99) once
-        # any layer is checkpointed, else 1; the loop resets it to torch's 1 before every mode.
-        if args.memory_budget != "auto":
-            budget = float(args.memory_budget)
-        else:
-            budget = ELEMENTWISE_BUDGET if compiled and checkpointing != "off" else 1.0
+        # The compiled layers' `activation_memory_budget` as the worker resolves it, against the memory free before
+        # the model was built (it is on the device already); the loop resets torch's 1 before every mode.
+        parallel = resolve_parallel(parallel, env)
+        state = model_state_bytes(lm, "nf4" if quantize else "none", parallel, env.world_size, accumulating=False)
+        held = sum(t.nbytes for t in lm.parameters()) if env.device.type == "cuda" else 0
+        free = torch.cuda.mem_get_info(env.device)[0] + held if env.device.type == "cuda" else None
+        requested = args.memory_budget if args.memory_budget == "auto" else float(args.memory_budget)
+        budget = resolve_memory_budget(requested, compiled, env.device, lm.config, args.row_tokens, state, free=free)
         apply_memory_budget(budget)
         if compiled:
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm), device=env.device, dtype=self.param_dtype)
         apply_activation_checkpointing(decoder_layers(lm), checkpointing)  # after compiling, as the worker does
         batches = RankBatches(plan, self.dataset, rank=env.rank, world_size=env.world_size, pad_id=PAD_ID)
-        parallel = resolve_parallel(parallel, env)
         model, optimizer, _ = parallelize(
             lm, env, parallel, self.param_dtype, self.optim_c, lora=lora, quantize=quantize
         )
@@ -1166,8 +1168,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--memory-budget",
         default="auto",
-        help="the D modes' train.activation_memory_budget: auto (as the worker: 0.99 with checkpointed compiled "
-        "layers, else 1) or a number in (0, 1]",
+        help="the D modes' train.activation_memory_budget: auto (resolved as the worker does: 1 where the row fits "
+        "without checkpointing, else 0.99) or a number in (0, 1]",
     )
     p.add_argument("--breakdown-steps", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=3)
