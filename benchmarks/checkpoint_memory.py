@@ -1,20 +1,21 @@
 """Host memory and time of saving and loading the one-device path's `model` checkpoint component (its fp32 masters).
 
     python benchmarks/checkpoint_memory.py [--config benchmarks/workloads/llama-3.2-1b.json] [--layers 8]
-                                           [--modes deferred deferred-one-file joined]
+                                           [--modes deferred deferred-per-tensor deferred-one-file joined]
 
 Each mode runs in its own process: it builds a `MasterAdamW` over the model (bf16 parameters, the masters' low bits
 and fp32 moments, as on a GPU but in host memory here), then saves the `model` component with DCP and loads it
 back, after the parameters were overwritten. The numbers are the process's peak resident memory during each phase
 (`VmHWM`, reset before it) minus its resident memory before it: what the save or the load adds on the host.
 - `deferred` (the worker now): `MasterModelState` with `DeferredSavePlanner` / `DeferredLoadPlanner`: each master is
-  joined when the writer reaches it, and split back into its parameter as soon as it is read; a file per tensor
-  (`checkpoint.storage_writer`);
+  joined when the writer reaches it, and split back into its parameter as soon as it is read; files of at most 1 GiB
+  of tensor data (`checkpoint.storage_writer`);
+- `deferred-per-tensor`: the same with a file per tensor (`storage_writer(path, file_bytes=0)`);
 - `deferred-one-file`: the same with DCP's default writer (one file per rank), which keeps every tensor it wrote
   until the file closes;
 - `joined` (the worker before): every master joined into a CPU tensor before DCP starts (4 bytes a parameter), and
   read back into such tensors before any is split; one file per rank.
-Both check that the loaded masters equal the saved ones.
+Each checks that the loaded masters equal the saved ones.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def child(args) -> None:
     numel = sum(p.numel() for p in lm.parameters())
     sums = {name: optimizer.master(p).double().sum().item() for name, p in lm.named_parameters()}
     path = Path(args.out) / args.mode
-    writer = storage_writer(path) if args.mode == "deferred" else dcp.FileSystemWriter(str(path))
+    writers = {"deferred": lambda: storage_writer(path), "deferred-per-tensor": lambda: storage_writer(path, 0)}
+    writer = writers.get(args.mode, lambda: dcp.FileSystemWriter(str(path)))()
     if args.mode.startswith("deferred"):
         component, save_planner, load_planner = state, DeferredSavePlanner(), DeferredLoadPlanner()
     else:
@@ -89,7 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "benchmarks" / "workloads" / "llama-3.2-1b.json"))
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the 1B shape has 16: 20 GB to build)")
-    parser.add_argument("--modes", nargs="+", default=["deferred", "deferred-one-file", "joined"])
+    modes = ["deferred", "deferred-per-tensor", "deferred-one-file", "joined"]
+    parser.add_argument("--modes", nargs="+", default=modes)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

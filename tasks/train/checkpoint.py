@@ -2,7 +2,7 @@
 
 Layout of `RUN_DIR/checkpoints/`::
 
-    step-4/      a torch.distributed.checkpoint folder (.metadata + a file per tensor) and CHECKSUMS (sha256 per file,
+    step-4/      a torch.distributed.checkpoint folder (.metadata + files of ~1 GiB) and CHECKSUMS (sha256 per file,
                  checked before the checkpoint is loaded: `sftflow.tasks.train.checksums`)
     step-8/
     latest       the text "step-8", written (atomically) only after step-8/ is complete on every rank
@@ -19,6 +19,8 @@ schedule and step counter.
 from __future__ import annotations
 
 import logging
+import math
+import queue
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -241,11 +244,60 @@ class Checkpointer:
         return path
 
 
-def storage_writer(path: Path) -> dcp.FileSystemWriter:
-    """DCP's file writer with a file per tensor: with one file per rank (its default) the writer keeps every tensor
-    it has written to the file until the file is closed, i.e. a rank's whole state on the host at once (fp32 weights
-    and moments, 12 bytes a parameter: 90 GiB for an 8B model on one GPU); a file per tensor holds one at a time."""
-    return dcp.FileSystemWriter(str(path), single_file_per_rank=False)
+# Bytes of tensor data per checkpoint file: what DCP's writer holds on the host at once while it writes one.
+FILE_BYTES = 1 << 30
+
+
+class BoundedFileWriter(dcp.FileSystemWriter):
+    """DCP's file writer with files of at most `file_bytes` of tensor data (a larger tensor gets a file of its own).
+
+    DCP's writer keeps every tensor it has written to a file until the file is closed (its `tensor_dict`, filled for
+    every format), so with its default, one file per rank, a save holds a rank's whole state on the host (fp32
+    weights and moments, 12 bytes a parameter: 90 GiB for an 8B model on one GPU); with a file per tensor it holds one
+    tensor, but an 8B's state becomes ~1,200 files per rank, slow to create and list on network filesystems. Bounded
+    files hold at most `file_bytes` plus the largest tensor, in ~1 GiB files. Items keep the planner's order, so the
+    deferred entries of one file are made one after another as the writer reaches them."""
+
+    def __init__(self, path: str | Path, file_bytes: int = FILE_BYTES):
+        super().__init__(str(path), single_file_per_rank=False)
+        self.file_bytes = file_bytes
+
+    def write_data(self, plan, planner):
+        write_files = getattr(self, "_write_data", None)
+        if write_files is None:  # a torch without the queue-based writer: DCP's file per tensor
+            return super().write_data(plan, planner)
+        file_queue: queue.Queue = queue.Queue()
+        for number, items in enumerate(bounded_groups(plan.items, self.file_bytes)):
+            name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
+            file_queue.put((self.fs.concat_path(self.path, name), name, items))
+        return write_files(planner, file_queue)
+
+
+def bounded_groups(items: list, file_bytes: int) -> list[list]:
+    """`items` in order, cut into runs whose tensor data adds up to at most `file_bytes` (or one larger tensor)."""
+    groups: list[list] = []
+    size = 0
+    for item in items:
+        nbytes = item_bytes(item)
+        if not groups or size + nbytes > file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
+def item_bytes(item) -> int:
+    """Bytes of one write item's data on this rank: its chunk of the tensor (a shard's chunk, not the whole)."""
+    if item.tensor_data is None:
+        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+    dtype = item.tensor_data.properties.dtype
+    return math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+
+
+def storage_writer(path: Path, file_bytes: int = FILE_BYTES) -> BoundedFileWriter:
+    """The checkpoints' writer: files of at most `file_bytes` of tensor data (`BoundedFileWriter`)."""
+    return BoundedFileWriter(path, file_bytes)
 
 
 def prune_checkpoints(folder: Path, keep_last: int, current: int) -> list[int]:

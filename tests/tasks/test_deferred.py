@@ -51,9 +51,11 @@ def test_each_entry_is_made_when_written_and_handed_over_when_read(tmp_path):
     plain = torch.arange(10.0)
     state = {"model": saved.state(), "other": {"plain": plain}}
     assert saved.made == [0, 0, 0, 0]  # placeholders: nothing made yet
-    dcp.save(state, storage_writer=storage_writer(tmp_path), planner=DeferredSavePlanner(), no_dist=True)
+    writer = storage_writer(tmp_path, file_bytes=0)  # a file per tensor
+    dcp.save(state, storage_writer=writer, planner=DeferredSavePlanner(), no_dist=True)
     assert saved.made == [1, 1, 1, 1]
-    # a file per tensor: the writer lets go of each one before the next is made but one (the loop's last value)
+    # the writer lets go of each file's tensors when it closes the file, before the next is made but one (the loop's
+    # last value)
     assert saved.most_alive <= 2
 
     loaded = Entries(seed=100)
@@ -64,6 +66,33 @@ def test_each_entry_is_made_when_written_and_handed_over_when_read(tmp_path):
     for i, want in enumerate(saved.values):
         assert torch.equal(loaded.consumed[i], want), i
     assert torch.equal(into["other"]["plain"], plain)  # every other entry loads in place, as DCP does
+
+
+def test_bounded_files_hold_one_file_of_entries_at_a_time(tmp_path):
+    """Files of at most `file_bytes` of tensor data, in the planner's order; a larger tensor gets its own file."""
+    saved = Entries(seed=0)  # 8192, 512, 1024 and 420 bytes
+    writer = storage_writer(tmp_path, file_bytes=1600)
+    dcp.save({"model": saved.state()}, storage_writer=writer, planner=DeferredSavePlanner(), no_dist=True)
+    assert len(list(tmp_path.glob("*.distcp"))) == 3
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    groups = sorted(sorted(k for k in files if files[k] == f) for f in set(files.values()))
+    assert groups == [["model.w0"], ["model.w1", "model.w2"], ["model.w3"]]  # 8192 | 512 + 1024 | 420 bytes
+    assert saved.most_alive <= 3  # one file's two, and the one before
+
+    loaded = Entries(seed=100)
+    dcp.load({"model": loaded.state()}, checkpoint_id=str(tmp_path), planner=DeferredLoadPlanner(), no_dist=True)
+    for i, want in enumerate(saved.values):
+        assert torch.equal(loaded.consumed[i], want), i
+
+
+def test_the_default_file_size_puts_a_small_state_in_one_file(tmp_path):
+    state = {"a": torch.randn(100, 100), "b": torch.arange(10), "step": 3}
+    dcp.save(state, storage_writer=storage_writer(tmp_path), no_dist=True)
+    assert len(list(tmp_path.glob("*.distcp"))) == 1
+    into = {"a": torch.zeros(100, 100), "b": torch.zeros(10, dtype=torch.int64), "step": 0}
+    dcp.load(into, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(into["a"], state["a"]) and torch.equal(into["b"], state["b"]) and into["step"] == 3
 
 
 def test_the_default_writer_would_hold_every_entry_until_its_file_closes(tmp_path):
