@@ -1,6 +1,7 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--docs packed|long] [--variants triton torch flex] [--sweep] [--out results.md]
+    python benchmarks/attention.py [--docs packed|long] [--variants triton triton-pack torch flex] [--sweep]
+                                   [--out results.md]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -10,6 +11,8 @@ at 8192 or more by merging it into the one before). bf16; (H, K, D) shapes: pack
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
+`triton-pack`: our kernels with the forward's and dQ's programs packed per GQA group (`PACK`: a program per kv head,
+the group's query heads stacked as its rows), on the default tiles; at K = H it is the same as `triton`.
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -113,6 +116,9 @@ def main() -> None:
         for name in args.variants:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
+            elif name == "triton-pack":
+                packed = {"fwd": {"PACK": True}, "dq": {"PACK": True}}
+                fns[name] = lambda q, k, v, cu, m, c=packed: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
         check_name = "torch" if "torch" in args.variants else "sdpa"
@@ -158,6 +164,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n\n")
+
+
+PACK_GRID = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2)]
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
@@ -268,6 +277,13 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     for part in grids:
         trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+    if H != K:  # GQA: the query kernels with the group's heads packed as rows, which favours deeper row tiles
+        for part in ("fwd", "dq"):
+            trials = [current[part]] + [
+                {**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "PACK": True}
+                for bm, bn, w, st in PACK_GRID
+            ]
+            current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
     print(f"sweep best H={H} K={K} D={D}: {current}", flush=True)
 
 

@@ -26,9 +26,12 @@ max(seq_start[i], i - W + 1) <= j <= i. That first visible key never decreases a
 block ranges hold with it in place of the document start, and a window skips every key block left of it: attention
 over long documents costs O(T W) instead of O(T^2). Without a window, ``WINDOW`` is ``NO_WINDOW`` (2**30).
 
-GQA: query head h reads kv head h // (H / K) through strides, nothing is expanded; the dK/dV program of a kv head
-loops over its query heads. Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row
-log-sum-exp for the backward. Imported lazily by ``attention`` so TRITON_INTERPRET can be set first.
+GQA: query head h reads kv head h // (H / K) through strides, nothing is expanded; the dK/dV program of a kv head loops
+over its query heads. With ``PACK`` (forward and dQ configs), a query program takes BLOCK_M // GROUP positions of every
+query head of one kv group, stacked as its BLOCK_M rows: one K/V tile is read once for the group, and a short document's
+diagonal block is as narrow as BLOCK_M // GROUP positions while the products stay BLOCK_M deep. Softmax runs in base 2
+(exp2) on fp32 scores; the forward saves the per-row log-sum-exp for the backward. Imported lazily by ``attention`` so
+TRITON_INTERPRET can be set first.
 """
 
 from __future__ import annotations
@@ -112,6 +115,37 @@ def _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _query_rows(order_ptr, H, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    """A query program's rows: (first position, position per row, head (per row when packed), kv head).
+
+    Unpacked, a program is one head's BLOCK_M positions. Packed (GQA), it is one kv head's BLOCK_M // GROUP positions
+    for all GROUP query heads of the group, row r at position m0 + r // GROUP of head kh * GROUP + r % GROUP: one K/V
+    tile serves the whole group, and a short document's diagonal block masks the waste of BLOCK_M // GROUP positions
+    while its products are BLOCK_M rows deep."""
+    pid = tl.program_id(0)
+    if PACK:
+        kh = pid % (H // GROUP)
+        m0 = tl.load(order_ptr + pid // (H // GROUP)) * (BLOCK_M // GROUP)
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = m0 + rows // GROUP
+        head = kh * GROUP + rows % GROUP
+    else:
+        head = pid % H
+        m0 = tl.load(order_ptr + pid // H) * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        kh = head // GROUP
+    return m0, offs_m, head, kh
+
+
+@triton.jit
+def _head_offset(head, stride_h, PACK: tl.constexpr):
+    """The head's offset, as a column to add to a (rows, D) tile's pointers when it differs per row (packed)."""
+    if PACK:
+        return (head * stride_h)[:, None]
+    return head * stride_h
+
+
+@triton.jit
 def _kv_scores(
     q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
@@ -156,21 +190,18 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    PACK: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    h = pid % H
-    m0 = tl.load(order_ptr + pid // H) * BLOCK_M
-    kh = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m0, offs_m, head, kh = _query_rows(order_ptr, H, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
-    q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
+    q = _tile(q_ptr, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M // GROUP if PACK else BLOCK_M, BLOCK_N)
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
@@ -186,11 +217,11 @@ def _fwd_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     tl.store(
-        o_ptr + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o_ptr + offs_m[:, None] * stride_ot + _head_offset(head, stride_oh, PACK) + offs_d[None, :],
         acc.to(o_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
-    tl.store(lse_ptr + h * T + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
+    tl.store(lse_ptr + head * T + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
 
 
 @triton.jit
@@ -226,22 +257,19 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    PACK: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    h = pid % H
-    m0 = tl.load(order_ptr + pid // H) * BLOCK_M
-    kh = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m0, offs_m, head, kh = _query_rows(order_ptr, H, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
-    q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
-    do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
-    lse = tl.load(lse_ptr + h * T + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + h * T + offs_m, mask=row_ok, other=0.0)
+    q = _tile(q_ptr, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
+    do = _tile(do_ptr, offs_m, stride_dot, _head_offset(head, stride_doh, PACK), offs_d, d_ok, T, EVEN_D)
+    lse = tl.load(lse_ptr + head * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head * T + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, end = _key_ranges(m0, seq_start_ptr, T, WINDOW, BLOCK_M // GROUP if PACK else BLOCK_M, BLOCK_N)
     k_off, v_off = kh * stride_kh, kh * stride_vh
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
@@ -253,7 +281,7 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     tl.store(
-        dq_ptr + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        dq_ptr + offs_m[:, None] * stride_dqt + _head_offset(head, stride_dqh, PACK) + offs_d[None, :],
         (dq * scale).to(dq_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
@@ -393,6 +421,16 @@ def _launch(cfg: dict) -> tuple[str, dict]:
     return order, cfg
 
 
+def _query_launch(cfg: dict, T: int, H: int, group: int, layout: RowLayout, window: int):
+    """A query-block kernel's (fwd, dQ) grid, block order and keywords. `PACK` (GQA: a program per kv head, its
+    group's query heads stacked as rows) applies where the group divides BLOCK_M; otherwise a program per head."""
+    order, cfg = _launch(cfg)
+    pack = bool(cfg.pop("PACK", False)) and group > 1 and cfg["BLOCK_M"] % group == 0
+    positions, programs = (cfg["BLOCK_M"] // group, H // group) if pack else (cfg["BLOCK_M"], H)
+    grid = (triton.cdiv(T, positions) * programs,)
+    return grid, layout.order("q", positions, order, window), {**cfg, "PACK": pack}
+
+
 def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
@@ -483,15 +521,15 @@ def _attention_forward(
     group = H // k.shape[1]
     o = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    order, cfg = _launch(config["fwd"])
-    _fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]) * H,)](
+    grid, blocks, cfg = _query_launch(config["fwd"], T, H, group, layout, window)
+    _fwd_kernel[grid](
         q,
         k,
         v,
         o,
         lse,
         layout.seq_start,
-        layout.order("q", cfg["BLOCK_M"], order, window),
+        blocks,
         *_row_head_strides(q, k, v, o),
         T,
         D,
@@ -518,7 +556,8 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    (order_kv, cfg_kv), (order_q, cfg_q) = _launch(config["dkdv"]), _launch(config["dq"])
+    order_kv, cfg_kv = _launch(config["dkdv"])
+    grid_q, blocks_q, cfg_q = _query_launch(config["dq"], T, H, H // K, layout, window)
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)
     # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART).
@@ -551,7 +590,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             **cfg_kv,
             PART=part,
         )
-    _bwd_dq_kernel[(triton.cdiv(T, cfg_q["BLOCK_M"]) * H,)](
+    _bwd_dq_kernel[grid_q](
         q,
         k,
         v,
@@ -560,7 +599,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
         lse,
         delta,
         layout.seq_start,
-        layout.order("q", cfg_q["BLOCK_M"], order_q, window),
+        blocks_q,
         *strides_in,
         dq.stride(0),
         dq.stride(1),

@@ -120,9 +120,11 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
 # inside it, and masked blocks on the diagonal and the end.
 # "split" runs dV and dK as two passes of the key-block kernel.
-def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False):
+# "pack" stacks a GQA group's query heads as the rows of one program in the forward and dQ kernels.
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False):
     fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1}
-    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": fwd}
+    query = {**fwd, "PACK": True} if pack else fwd
+    return {"fwd": query, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": query}
 
 
 TILES = {
@@ -131,12 +133,21 @@ TILES = {
     "m16_n32_lpt": _tiles(16, 32, 32, 16, "lpt"),
     "m16_n32_row": _tiles(16, 32, 32, 16, "row"),
     "m32_n16_lpt_split": _tiles(32, 16, 16, 32, "lpt", split=True),
+    "m32_n16_lpt_pack": _tiles(32, 16, 16, 32, "lpt", pack=True),
+    "m16_n32_row_pack": _tiles(16, 32, 32, 16, "row", pack=True),
 }
+PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack"]
+
+
+def _tile_cases():
+    # packed programs at groups of 4 and 2, and of 3 (which divides no tile: one program per head, as unpacked)
+    for tiles in TILES:
+        shapes = [(4, 1, 24), (4, 2, 16), (6, 2, 16)] if tiles in PACKED else [(4, 4, 16), (4, 1, 24)]
+        yield from (pytest.param(tiles, *shape, id=f"{tiles}-{shape}") for shape in shapes)
 
 
 @needs_triton
-@pytest.mark.parametrize("tiles", list(TILES))
-@pytest.mark.parametrize(("H", "K", "D"), [(4, 4, 16), (4, 1, 24)])
+@pytest.mark.parametrize(("tiles", "H", "K", "D"), list(_tile_cases()))
 def test_triton_tile_shapes_and_program_orders(tiles, H, K, D, device):
     from sftflow.kernels.attention_triton import triton_varlen_attention
 
@@ -234,6 +245,24 @@ def test_triton_long_document_tiles_bf16_on_gpu(D, group, window):
     config = CONFIGS_LONG[(D, group > 1)]
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("window", [None, 300])
+def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
+    """The forward and dQ with a GQA group's query heads packed as the rows of one program, on the GPU's tiles."""
+    from sftflow.kernels.attention_triton import triton_varlen_attention
+
+    doc_lengths = [700, 1, 129, 64, 2000, 37]
+    H = 8
+    q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
+    for rows in (64, 128) if D <= 128 else (64,):
+        config = {part: {"PACK": True, "BLOCK_M": rows} for part in ("fwd", "dq")}
+        o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
+        assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
+        q.grad = k.grad = v.grad = None
 
 
 @needs_triton
