@@ -11,8 +11,9 @@ at 8192 or more by merging it into the one before). bf16; (H, K, D) shapes: pack
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
-`triton-pack`: our kernels with the forward's and dQ's programs packed per GQA group (`PACK`: a program per kv head,
-the group's query heads stacked as its rows), on the default tiles; at K = H it is the same as `triton`.
+`triton-pack`: our kernels with query tiles packed per GQA group (`PACK`: the forward's and dQ's programs per kv head,
+the group's query heads stacked as the rows of every query tile, in the dK/dV loop too), on the default tiles; at
+K = H it is the same as `triton`.
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -117,7 +118,7 @@ def main() -> None:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
             elif name == "triton-pack":
-                packed = {"fwd": {"PACK": True}, "dq": {"PACK": True}}
+                packed = {"fwd": {"PACK": True}, "dq": {"PACK": True}, "dkdv": {"PACK": True}}
                 fns[name] = lambda q, k, v, cu, m, c=packed: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
@@ -277,13 +278,17 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     for part in grids:
         trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
-    if H != K:  # GQA: the query kernels with the group's heads packed as rows, which favours deeper row tiles
+    if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):
             trials = [current[part]] + [
                 {**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "PACK": True}
                 for bm, bn, w, st in PACK_GRID
             ]
             current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+        trials = [current["dkdv"]] + [
+            {**current["dkdv"], "BLOCK_M": bm, "PACK": True} for bm in (current["dkdv"]["BLOCK_M"], 64, 128)
+        ]
+        current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
     print(f"sweep best H={H} K={K} D={D}: {current}", flush=True)
 
 

@@ -27,11 +27,12 @@ block ranges hold with it in place of the document start, and a window skips eve
 over long documents costs O(T W) instead of O(T^2). Without a window, ``WINDOW`` is ``NO_WINDOW`` (2**30).
 
 GQA: query head h reads kv head h // (H / K) through strides, nothing is expanded; the dK/dV program of a kv head loops
-over its query heads. With ``PACK`` (forward and dQ configs), a query program takes BLOCK_M // GROUP positions of every
-query head of one kv group, stacked as its BLOCK_M rows: one K/V tile is read once for the group, and a short document's
-diagonal block is as narrow as BLOCK_M // GROUP positions while the products stay BLOCK_M deep. Softmax runs in base 2
-(exp2) on fp32 scores; the forward saves the per-row log-sum-exp for the backward. Imported lazily by ``attention`` so
-TRITON_INTERPRET can be set first.
+over its query heads. With ``PACK`` in a config, a query tile holds BLOCK_M // GROUP positions of every query head of
+one kv group, stacked as its BLOCK_M rows: a forward or dQ program serves the whole group from one read of each K/V
+tile, a dK/dV program runs one loop instead of one per head (fewer live registers: `python -m sftflow.kernels.aot`), and
+a short document's diagonal block is as narrow as BLOCK_M // GROUP positions while the products stay BLOCK_M deep.
+Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row log-sum-exp for the backward. Imported
+lazily by ``attention`` so TRITON_INTERPRET can be set first.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def _query_rows(order_ptr, H, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PACK: 
 @triton.jit
 def _head_offset(head, stride_h, PACK: tl.constexpr):
     """The head's offset, as a column to add to a (rows, D) tile's pointers when it differs per row (packed)."""
-    if PACK:
-        return (head * stride_h)[:, None]
-    return head * stride_h
+    offset = head * stride_h
+    if PACK:  # a constexpr branch: one return, whose shape differs between the two compiled variants
+        offset = offset[:, None]
+    return offset
 
 
 @triton.jit
@@ -325,9 +327,12 @@ def _bwd_dkdv_kernel(
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
     PART: tl.constexpr = 0,
+    PACK: tl.constexpr = False,
 ):
     # PART 0 computes dK and dV; 1 only dV and 2 only dK (a split pass: one fp32 accumulator per program instead of
-    # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass).
+    # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass). PACK: each query tile is
+    # BLOCK_M // GROUP positions of all the group's heads (as the packed query kernels' rows): one loop, not one per
+    # head.
     pid = tl.program_id(0)
     kh = pid % K
     n0 = tl.load(order_ptr + pid // K) * BLOCK_N
@@ -339,19 +344,25 @@ def _bwd_dkdv_kernel(
     # Query blocks that can see a key of this block: from the block itself to the end of its last key's document
     # (or of its window). Unmasked among them, [u_lo, u_hi): rows at or after the block's last key, inside its first
     # key's document and window.
+    step = BLOCK_M // GROUP if PACK else BLOCK_M  # positions per query tile
     last = tl.minimum(n0 + BLOCK_N, T) - 1
-    q_end = tl.cdiv(tl.minimum(tl.load(seq_end_ptr + last), last + WINDOW), BLOCK_M) * BLOCK_M
-    q_lo = n0 // BLOCK_M * BLOCK_M
-    u_lo = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_end)
-    u_hi = tl.maximum(u_lo, tl.minimum(tl.load(seq_end_ptr + n0), n0 + WINDOW) // BLOCK_M * BLOCK_M)
+    q_end = tl.cdiv(tl.minimum(tl.load(seq_end_ptr + last), last + WINDOW), step) * step
+    q_lo = n0 // step * step
+    u_lo = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, step) * step, q_end)
+    u_hi = tl.maximum(u_lo, tl.minimum(tl.load(seq_end_ptr + n0), n0 + WINDOW) // step * step)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(GROUP):
-        h = kh * GROUP + g
-        for m0 in range(q_lo, q_end, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q = _tile(q_ptr, offs_m, stride_qt, h * stride_qh, offs_d, d_ok, T, EVEN_D)
-            do = _tile(do_ptr, offs_m, stride_dot, h * stride_doh, offs_d, d_ok, T, EVEN_D)
+    for g in range(1 if PACK else GROUP):
+        for m0 in range(q_lo, q_end, step):
+            if PACK:
+                rows = tl.arange(0, BLOCK_M)
+                offs_m = m0 + rows // GROUP
+                h = kh * GROUP + rows % GROUP
+            else:
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                h = kh * GROUP + g
+            q = _tile(q_ptr, offs_m, stride_qt, _head_offset(h, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
+            do = _tile(do_ptr, offs_m, stride_dot, _head_offset(h, stride_doh, PACK), offs_d, d_ok, T, EVEN_D)
             lse = tl.load(lse_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             delta = tl.load(delta_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -557,6 +568,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     order_kv, cfg_kv = _launch(config["dkdv"])
+    cfg_kv["PACK"] = bool(cfg_kv.pop("PACK", False)) and H > K and cfg_kv["BLOCK_M"] % (H // K) == 0
     grid_q, blocks_q, cfg_q = _query_launch(config["dq"], T, H, H // K, layout, window)
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)

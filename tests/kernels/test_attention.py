@@ -120,11 +120,10 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
 # inside it, and masked blocks on the diagonal and the end.
 # "split" runs dV and dK as two passes of the key-block kernel.
-# "pack" stacks a GQA group's query heads as the rows of one program in the forward and dQ kernels.
+# "pack" stacks a GQA group's query heads as the rows of one query tile (forward and dQ programs, dK/dV query tiles).
 def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False):
-    fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1}
-    query = {**fwd, "PACK": True} if pack else fwd
-    return {"fwd": query, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": query}
+    fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1, "PACK": pack}
+    return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": fwd}
 
 
 TILES = {
@@ -135,8 +134,9 @@ TILES = {
     "m32_n16_lpt_split": _tiles(32, 16, 16, 32, "lpt", split=True),
     "m32_n16_lpt_pack": _tiles(32, 16, 16, 32, "lpt", pack=True),
     "m16_n32_row_pack": _tiles(16, 32, 32, 16, "row", pack=True),
+    "m32_n16_lpt_split_pack": _tiles(32, 16, 16, 32, "lpt", split=True, pack=True),
 }
-PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack"]
+PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack", "m32_n16_lpt_split_pack"]
 
 
 def _tile_cases():
@@ -252,7 +252,7 @@ def test_triton_long_document_tiles_bf16_on_gpu(D, group, window):
 @pytest.mark.parametrize("group", [2, 4, 8])
 @pytest.mark.parametrize("window", [None, 300])
 def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
-    """The forward and dQ with a GQA group's query heads packed as the rows of one program, on the GPU's tiles."""
+    """A GQA group's query heads packed as the rows of each query tile, on the GPU's tiles."""
     from sftflow.kernels.attention_triton import triton_varlen_attention
 
     doc_lengths = [700, 1, 129, 64, 2000, 37]
@@ -260,6 +260,7 @@ def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     for rows in (64, 128) if D <= 128 else (64,):
         config = {part: {"PACK": True, "BLOCK_M": rows} for part in ("fwd", "dq")}
+        config["dkdv"] = {"PACK": True}
         o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
         assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
         q.grad = k.grad = v.grad = None
