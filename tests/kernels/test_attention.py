@@ -157,6 +157,18 @@ def test_triton_tile_shapes_and_program_orders(tiles, H, K, D, device):
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("case", ["w4_docs_longer", "w17_gqa4"])
+def test_packed_gqa_tiles_with_sliding_windows(case, device):
+    """Windows cut the packed tiles' key ranges per position, as they cut the per-head tiles'."""
+    from sftflow.kernels.attention_triton import triton_varlen_attention
+
+    doc_lengths, H, K, D, window = WINDOW_CASES[case]
+    q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=len(case) + window)
+    o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=TILES["m32_n16_lpt_pack"])
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5, window=window)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_documents_are_isolated(backend, device):
     """Changing every token of document A changes A's outputs and nothing of B or C, before or after it."""
