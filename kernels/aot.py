@@ -93,21 +93,21 @@ def compile_attention(D: int, group: int, config: dict, capability: int = 90) ->
         qk_scale="fp32",
         scale="fp32",
     )
+
+    def kernel_args(part: str) -> tuple[dict, int, int]:  # a config part as the launcher passes it
+        cfg = {k: v for k, v in config[part].items() if k not in ("ORDER", "SPLIT")}
+        cfg["PACK"] = at.packs(cfg, group)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        return {**common, **cfg}, warps, stages
+
     out = []
     for part, fn in (("fwd", at._fwd_kernel), ("dq", at._bwd_dq_kernel)):
-        cfg = dict(config[part])
-        cfg.pop("ORDER", None)
-        pack = bool(cfg.pop("PACK", False)) and group > 1 and cfg["BLOCK_M"] % group == 0
-        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-        kernel = compile_for(fn, types, {**common, **cfg, "PACK": pack}, warps, stages, capability)
-        out.append(_describe(part, kernel, config[part]))
-    cfg = dict(config["dkdv"])
-    cfg.pop("ORDER", None)
-    cfg["PACK"] = bool(cfg.pop("PACK", False)) and group > 1 and cfg["BLOCK_M"] % group == 0
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    passes = (("dv", 1), ("dk", 2)) if cfg.pop("SPLIT", False) else (("dkdv", 0),)
+        constexprs, warps, stages = kernel_args(part)
+        out.append(_describe(part, compile_for(fn, types, constexprs, warps, stages, capability), config[part]))
+    constexprs, warps, stages = kernel_args("dkdv")
+    passes = (("dv", 1), ("dk", 2)) if config["dkdv"].get("SPLIT", False) else (("dkdv", 0),)
     for name, part in passes:
-        kernel = compile_for(at._bwd_dkdv_kernel, types, {**common, **cfg, "PART": part}, warps, stages, capability)
+        kernel = compile_for(at._bwd_dkdv_kernel, types, {**constexprs, "PART": part}, warps, stages, capability)
         out.append(_describe(name, kernel, config["dkdv"]))
     return out
 

@@ -432,11 +432,17 @@ def _launch(cfg: dict) -> tuple[str, dict]:
     return order, cfg
 
 
+def packs(cfg: dict, group: int) -> bool:
+    """Whether a kernel config's `PACK` applies: GQA, with a group that divides BLOCK_M (else a tile per head)."""
+    return bool(cfg.get("PACK", False)) and group > 1 and cfg["BLOCK_M"] % group == 0
+
+
 def _query_launch(cfg: dict, T: int, H: int, group: int, layout: RowLayout, window: int):
-    """A query-block kernel's (fwd, dQ) grid, block order and keywords. `PACK` (GQA: a program per kv head, its
-    group's query heads stacked as rows) applies where the group divides BLOCK_M; otherwise a program per head."""
+    """A query-block kernel's (fwd, dQ) grid, block order and keywords: a program per head, or per kv head with its
+    group's query heads stacked as rows where `PACK` applies."""
     order, cfg = _launch(cfg)
-    pack = bool(cfg.pop("PACK", False)) and group > 1 and cfg["BLOCK_M"] % group == 0
+    pack = packs(cfg, group)
+    cfg.pop("PACK", None)
     positions, programs = (cfg["BLOCK_M"] // group, H // group) if pack else (cfg["BLOCK_M"], H)
     grid = (triton.cdiv(T, positions) * programs,)
     return grid, layout.order("q", positions, order, window), {**cfg, "PACK": pack}
@@ -568,7 +574,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     order_kv, cfg_kv = _launch(config["dkdv"])
-    cfg_kv["PACK"] = bool(cfg_kv.pop("PACK", False)) and H > K and cfg_kv["BLOCK_M"] % (H // K) == 0
+    cfg_kv["PACK"] = packs(cfg_kv, H // K)
     grid_q, blocks_q, cfg_q = _query_launch(config["dq"], T, H, H // K, layout, window)
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)
