@@ -168,6 +168,9 @@ def main() -> None:
 
 
 PACK_GRID = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2)]
+# Packed dK/dV tiles that compile for sm_90 without spilling at D=128 and group 4 (python -m sftflow.kernels.aot with
+# triton 3.6); a fifth field splits the dV and dK passes.
+PACK_DKDV_GRID = [(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3, True)]
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
@@ -286,9 +289,11 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
                 for bm, bn, w, st in PACK_GRID
             ]
             current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
-        trials = [current["dkdv"]] + [
-            {**current["dkdv"], "BLOCK_M": bm, "PACK": True} for bm in (current["dkdv"]["BLOCK_M"], 64, 128)
-        ]
+        trials = [current["dkdv"], {**current["dkdv"], "PACK": True}] + [
+            {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "SPLIT": bool(split),
+             "PACK": True}
+            for bm, bn, w, st, *split in PACK_DKDV_GRID
+        ]  # fmt: skip
         current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
     print(f"sweep best H={H} K={K} D={D}: {current}", flush=True)
 
