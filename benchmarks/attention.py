@@ -1,6 +1,6 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--docs packed|long] [--variants triton triton-pack torch flex] [--sweep]
+    python benchmarks/attention.py [--docs packed|long] [--variants triton triton-pack triton-tma torch flex] [--sweep]
                                    [--out results.md]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
@@ -13,7 +13,8 @@ Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the caus
 (median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
 `triton-pack`: our kernels with query tiles packed per GQA group (`PACK`: the forward's and dQ's programs per kv head,
 the group's query heads stacked as the rows of every query tile, in the dK/dV loop too), on the default tiles; at
-K = H it is the same as `triton`.
+K = H it is the same as `triton`. `triton-tma`: the default tiles loaded and stored through TMA tensor descriptors
+(`TMA`: the copy engine moves each tile, no per-thread pointers or masks).
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -117,9 +118,10 @@ def main() -> None:
         for name in args.variants:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
-            elif name == "triton-pack":
-                packed = {"fwd": {"PACK": True}, "dq": {"PACK": True}, "dkdv": {"PACK": True}}
-                fns[name] = lambda q, k, v, cu, m, c=packed: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
+            elif name in ("triton-pack", "triton-tma"):
+                flag = "PACK" if name == "triton-pack" else "TMA"
+                over = {part: {flag: True} for part in ("fwd", "dq", "dkdv")}
+                fns[name] = lambda q, k, v, cu, m, c=over: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
         check_name = "torch" if "torch" in args.variants else "sdpa"
@@ -281,6 +283,9 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
     for part in grids:
         trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]
+        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+    for part in grids:  # TMA: the copy engine moves the tiles
+        trials = [current[part], {**current[part], "TMA": True}]
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
     if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):

@@ -70,7 +70,7 @@ def compile_for(fn, types: dict[str, str], constexprs: dict, num_warps: int, num
             signature[name] = "constexpr"
             continue
         signature[name] = types.get(name, "i32")
-        if name.endswith("_ptr") or name.startswith("stride"):
+        if (name.endswith("_ptr") and not signature[name].startswith("tensordesc")) or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs, attrs)
     target = GPUTarget("cuda", capability, 32)
@@ -94,20 +94,26 @@ def compile_attention(D: int, group: int, config: dict, capability: int = 90) ->
         scale="fp32",
     )
 
-    def kernel_args(part: str) -> tuple[dict, int, int]:  # a config part as the launcher passes it
+    def kernel_args(part: str) -> tuple[dict, dict, int, int]:  # a config part as the launcher passes it
         cfg = {k: v for k, v in config[part].items() if k not in ("ORDER", "SPLIT")}
         cfg["PACK"] = at.packs(cfg, group)
+        cfg["TMA"] = bool(cfg.get("TMA", False)) and not cfg["PACK"] and block_d == D
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-        return {**common, **cfg}, warps, stages
+        kinds = dict(types)
+        if cfg["TMA"]:  # descriptors over (T, heads * D) rows, boxes of a query or a key block's rows
+            for name in tensors:
+                rows = cfg["BLOCK_M"] if name in ("q_ptr", "o_ptr", "do_ptr", "dq_ptr") else cfg["BLOCK_N"]
+                kinds[name] = f"tensordesc<bf16[{rows}, {D}]>"
+        return kinds, {**common, **cfg}, warps, stages
 
     out = []
     for part, fn in (("fwd", at._fwd_kernel), ("dq", at._bwd_dq_kernel)):
-        constexprs, warps, stages = kernel_args(part)
-        out.append(_describe(part, compile_for(fn, types, constexprs, warps, stages, capability), config[part]))
-    constexprs, warps, stages = kernel_args("dkdv")
+        kinds, constexprs, warps, stages = kernel_args(part)
+        out.append(_describe(part, compile_for(fn, kinds, constexprs, warps, stages, capability), config[part]))
+    kinds, constexprs, warps, stages = kernel_args("dkdv")
     passes = (("dv", 1), ("dk", 2)) if config["dkdv"].get("SPLIT", False) else (("dkdv", 0),)
     for name, part in passes:
-        kernel = compile_for(at._bwd_dkdv_kernel, types, {**constexprs, "PART": part}, warps, stages, capability)
+        kernel = compile_for(at._bwd_dkdv_kernel, kinds, {**constexprs, "PART": part}, warps, stages, capability)
         out.append(_describe(name, kernel, config["dkdv"]))
     return out
 

@@ -31,6 +31,12 @@ over its query heads. With ``PACK`` in a config, a query tile holds BLOCK_M // G
 one kv group, stacked as its BLOCK_M rows: a forward or dQ program serves the whole group from one read of each K/V
 tile, a dK/dV program runs one loop instead of one per head (fewer live registers: `python -m sftflow.kernels.aot`), and
 a short document's diagonal block is as narrow as BLOCK_M // GROUP positions while the products stay BLOCK_M deep.
+
+TMA (``TMA`` in a config): tiles are loaded and stored through host-side tensor descriptors over each tensor's (T, heads
+* D) rows, one bulk copy per tile (zero-filled past the row's end on load, dropped on store), instead of per-thread
+pointers and masks: fewer registers (`python -m sftflow.kernels.aot`). Where a tensor's layout does not allow it
+(`tma_fits`), or with PACK, pointers.
+
 Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row log-sum-exp for the backward. Imported
 lazily by ``attention`` so TRITON_INTERPRET can be set first.
 """
@@ -90,13 +96,17 @@ SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
 
 
 @triton.jit
-def _tile(ptr, rows, stride_row, col_off, offs_d, d_ok, T, EVEN_D: tl.constexpr):
-    """Load a (rows, BLOCK_D) tile, zeros past row T (and past D when BLOCK_D > D)."""
-    ptrs = ptr + rows[:, None] * stride_row + col_off + offs_d[None, :]
-    if EVEN_D:
-        x = tl.load(ptrs, mask=(rows < T)[:, None], other=0.0)
+def _tile(ptr, row0, rows, stride_row, col_off, offs_d, d_ok, T, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zeros past row T (and past D when BLOCK_D > D). With TMA, `ptr` is a tensor
+    descriptor over the (T, heads * D) rows and the copy engine loads the box at (row0, col_off), zeros past T."""
+    if TMA:
+        x = ptr.load([row0, col_off])
     else:
-        x = tl.load(ptrs, mask=(rows < T)[:, None] & d_ok[None, :], other=0.0)
+        ptrs = ptr + rows[:, None] * stride_row + col_off + offs_d[None, :]
+        if EVEN_D:
+            x = tl.load(ptrs, mask=(rows < T)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows < T)[:, None] & d_ok[None, :], other=0.0)
     return x
 
 
@@ -150,13 +160,13 @@ def _head_offset(head, stride_h, PACK: tl.constexpr):
 @triton.jit
 def _kv_scores(
     q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """The key block at n0: its K and V tiles and the raw scores q k^T, -inf where not visible (callers fold the
     base-2 softmax scale into their exp2 argument: one fused multiply-add per score)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k = _tile(k_ptr, offs_n, stride_kt, k_off, offs_d, d_ok, T, EVEN_D)
-    v = _tile(v_ptr, offs_n, stride_vt, v_off, offs_d, d_ok, T, EVEN_D)
+    k = _tile(k_ptr, n0, offs_n, stride_kt, k_off, offs_d, d_ok, T, EVEN_D, TMA)
+    v = _tile(v_ptr, n0, offs_n, stride_vt, v_off, offs_d, d_ok, T, EVEN_D, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if (n0 < u_lo) | (n0 >= u_hi):  # on the diagonal or across a document boundary
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= start_m[:, None])
@@ -193,13 +203,14 @@ def _fwd_kernel(
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
     PACK: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     m0, offs_m, head, kh = _query_rows(order_ptr, H, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
-    q = _tile(q_ptr, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
+    q = _tile(q_ptr, m0, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D, TMA)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -208,7 +219,7 @@ def _fwd_kernel(
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
             q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
-            BLOCK_N, EVEN_D, PRECISION,
+            BLOCK_N, EVEN_D, PRECISION, TMA,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
@@ -218,11 +229,16 @@ def _fwd_kernel(
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
-    tl.store(
-        o_ptr + offs_m[:, None] * stride_ot + _head_offset(head, stride_oh, PACK) + offs_d[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    # Stores written out in each kernel rather than in a helper: through a helper the compiler allocated registers
+    # differently (8-24 bytes a thread spilled in the D=256 dK/dV passes; `python -m sftflow.kernels.aot`).
+    if TMA:  # the copy engine drops rows past T
+        o_ptr.store([m0, head * stride_oh], acc.to(o_ptr.dtype))
+    else:
+        tl.store(
+            o_ptr + offs_m[:, None] * stride_ot + _head_offset(head, stride_oh, PACK) + offs_d[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     tl.store(lse_ptr + head * T + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
 
 
@@ -260,14 +276,15 @@ def _bwd_dq_kernel(
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
     PACK: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     m0, offs_m, head, kh = _query_rows(order_ptr, H, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     d_ok = offs_d < D
     start_m = tl.maximum(tl.load(seq_start_ptr + offs_m, mask=row_ok, other=T), offs_m - WINDOW + 1)
-    q = _tile(q_ptr, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
-    do = _tile(do_ptr, offs_m, stride_dot, _head_offset(head, stride_doh, PACK), offs_d, d_ok, T, EVEN_D)
+    q = _tile(q_ptr, m0, offs_m, stride_qt, _head_offset(head, stride_qh, PACK), offs_d, d_ok, T, EVEN_D, TMA)
+    do = _tile(do_ptr, m0, offs_m, stride_dot, _head_offset(head, stride_doh, PACK), offs_d, d_ok, T, EVEN_D, TMA)
     lse = tl.load(lse_ptr + head * T + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + head * T + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -276,17 +293,20 @@ def _bwd_dq_kernel(
     for n0 in range(lo, end, BLOCK_N):
         k, v, s = _kv_scores(
             q, k_ptr, v_ptr, n0, offs_m, start_m, offs_d, d_ok, k_off, v_off, stride_kt, stride_vt, T, u_lo, u_hi,
-            BLOCK_N, EVEN_D, PRECISION,
+            BLOCK_N, EVEN_D, PRECISION, TMA,
         )  # fmt: skip
         p = tl.exp2(s * qk_scale - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    tl.store(
-        dq_ptr + offs_m[:, None] * stride_dqt + _head_offset(head, stride_dqh, PACK) + offs_d[None, :],
-        (dq * scale).to(dq_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    if TMA:
+        dq_ptr.store([m0, head * stride_dqh], (dq * scale).to(dq_ptr.dtype))
+    else:
+        tl.store(
+            dq_ptr + offs_m[:, None] * stride_dqt + _head_offset(head, stride_dqh, PACK) + offs_d[None, :],
+            (dq * scale).to(dq_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
@@ -328,6 +348,7 @@ def _bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
     PART: tl.constexpr = 0,
     PACK: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     # PART 0 computes dK and dV; 1 only dV and 2 only dK (a split pass: one fp32 accumulator per program instead of
     # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass). PACK: each query tile is
@@ -339,8 +360,8 @@ def _bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    k = _tile(k_ptr, offs_n, stride_kt, kh * stride_kh, offs_d, d_ok, T, EVEN_D)
-    v = _tile(v_ptr, offs_n, stride_vt, kh * stride_vh, offs_d, d_ok, T, EVEN_D)
+    k = _tile(k_ptr, n0, offs_n, stride_kt, kh * stride_kh, offs_d, d_ok, T, EVEN_D, TMA)
+    v = _tile(v_ptr, n0, offs_n, stride_vt, kh * stride_vh, offs_d, d_ok, T, EVEN_D, TMA)
     # Query blocks that can see a key of this block: from the block itself to the end of its last key's document
     # (or of its window). Unmasked among them, [u_lo, u_hi): rows at or after the block's last key, inside its first
     # key's document and window.
@@ -361,8 +382,8 @@ def _bwd_dkdv_kernel(
             else:
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 h = kh * GROUP + g
-            q = _tile(q_ptr, offs_m, stride_qt, _head_offset(h, stride_qh, PACK), offs_d, d_ok, T, EVEN_D)
-            do = _tile(do_ptr, offs_m, stride_dot, _head_offset(h, stride_doh, PACK), offs_d, d_ok, T, EVEN_D)
+            q = _tile(q_ptr, m0, offs_m, stride_qt, _head_offset(h, stride_qh, PACK), offs_d, d_ok, T, EVEN_D, TMA)
+            do = _tile(do_ptr, m0, offs_m, stride_dot, _head_offset(h, stride_doh, PACK), offs_d, d_ok, T, EVEN_D, TMA)
             lse = tl.load(lse_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             delta = tl.load(delta_ptr + h * T + offs_m, mask=offs_m < T, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -379,17 +400,23 @@ def _bwd_dkdv_kernel(
                 dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
     if PART != 1:
-        tl.store(
-            dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
-            (dk * scale).to(dk_ptr.dtype.element_ty),
-            mask=kd_mask,
-        )
+        if TMA:
+            dk_ptr.store([n0, kh * stride_dkh], (dk * scale).to(dk_ptr.dtype))
+        else:
+            tl.store(
+                dk_ptr + offs_n[:, None] * stride_dkt + kh * stride_dkh + offs_d[None, :],
+                (dk * scale).to(dk_ptr.dtype.element_ty),
+                mask=kd_mask,
+            )
     if PART != 2:
-        tl.store(
-            dv_ptr + offs_n[:, None] * stride_dvt + kh * stride_dvh + offs_d[None, :],
-            dv.to(dv_ptr.dtype.element_ty),
-            mask=kd_mask,
-        )
+        if TMA:
+            dv_ptr.store([n0, kh * stride_dvh], dv.to(dv_ptr.dtype))
+        else:
+            tl.store(
+                dv_ptr + offs_n[:, None] * stride_dvt + kh * stride_dvh + offs_d[None, :],
+                dv.to(dv_ptr.dtype.element_ty),
+                mask=kd_mask,
+            )
 
 
 @triton.jit
@@ -446,6 +473,34 @@ def _query_launch(cfg: dict, T: int, H: int, group: int, layout: RowLayout, wind
     positions, programs = (cfg["BLOCK_M"] // group, H // group) if pack else (cfg["BLOCK_M"], H)
     grid = (triton.cdiv(T, positions) * programs,)
     return grid, layout.order("q", positions, order, window), {**cfg, "PACK": pack}
+
+
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether (T, heads, D) tensors can be read and written through TMA descriptors over their (T, heads * D) rows:
+    heads adjacent, D contiguous, a power of two of at least 16 elements, and 16-byte aligned rows and base."""
+    for t in tensors:
+        T, _, D = t.shape
+        if t.stride(2) != 1 or t.stride(1) != D or D < 16 or D & (D - 1) or T == 0:
+            return False
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _with_tma(cfg: dict, tensors: dict[str, tuple[torch.Tensor, int]]) -> dict[str, object]:
+    """A kernel's tensor arguments: each (tensor, box rows) as a TMA descriptor where the config asks for `TMA` and
+    every tensor fits (`tma_fits`; never with `PACK`, whose rows are gathered), else the tensors; sets cfg["TMA"]."""
+    cfg["TMA"] = bool(cfg.get("TMA", False)) and not cfg.get("PACK", False)
+    cfg["TMA"] = cfg["TMA"] and tma_fits(*(t for t, _ in tensors.values()))
+    if not cfg["TMA"]:
+        return {name: t for name, (t, _) in tensors.items()}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        T, heads, D = t.shape
+        return TensorDescriptor(t, [T, heads * D], [t.stride(0), 1], [rows, D])
+
+    return {name: descriptor(t, rows) for name, (t, rows) in tensors.items()}
 
 
 def _block_d(D: int) -> int:
@@ -539,11 +594,13 @@ def _attention_forward(
     o = torch.empty_like(q)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     grid, blocks, cfg = _query_launch(config["fwd"], T, H, group, layout, window)
+    m, n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    args = _with_tma(cfg, dict(q=(q, m), k=(k, n), v=(v, n), o=(o, m)))
     _fwd_kernel[grid](
-        q,
-        k,
-        v,
-        o,
+        args["q"],
+        args["k"],
+        args["v"],
+        args["o"],
         lse,
         layout.seq_start,
         blocks,
@@ -580,14 +637,11 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     strides_in = _row_head_strides(q, k, v, do)
     # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART).
     split = cfg_kv.pop("SPLIT", False)
+    m, n = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
+    kv_args = _with_tma(cfg_kv, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dk=(dk, n), dv=(dv, n)))
     for part in (1, 2) if split else (0,):
         _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
-            q,
-            k,
-            v,
-            do,
-            dk,
-            dv,
+            *kv_args.values(),
             lse,
             delta,
             layout.seq_start,
@@ -608,12 +662,10 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             **cfg_kv,
             PART=part,
         )
+    m, n = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]
+    q_args = _with_tma(cfg_q, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dq=(dq, m)))
     _bwd_dq_kernel[grid_q](
-        q,
-        k,
-        v,
-        do,
-        dq,
+        *q_args.values(),
         lse,
         delta,
         layout.seq_start,

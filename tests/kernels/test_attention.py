@@ -120,9 +120,18 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # power of two. Documents of 70 and 100 tokens give each kernel masked blocks at a document start, unmasked blocks
 # inside it, and masked blocks on the diagonal and the end.
 # "split" runs dV and dK as two passes of the key-block kernel.
-# "pack" stacks a GQA group's query heads as the rows of one query tile (forward and dQ programs, dK/dV query tiles).
-def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False):
-    fwd = {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "ORDER": order, "num_warps": 4, "num_stages": 1, "PACK": pack}
+# "pack" stacks a GQA group's query heads as the rows of one query tile (forward and dQ programs, dK/dV query tiles);
+# "tma" moves every tile through tensor descriptors (the interpreter emulates them).
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False, tma=False):
+    fwd = {
+        "BLOCK_M": fwd_m,
+        "BLOCK_N": fwd_n,
+        "ORDER": order,
+        "num_warps": 4,
+        "num_stages": 1,
+        "PACK": pack,
+        "TMA": tma,
+    }
     return {"fwd": fwd, "dkdv": {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}, "dq": fwd}
 
 
@@ -135,14 +144,22 @@ TILES = {
     "m32_n16_lpt_pack": _tiles(32, 16, 16, 32, "lpt", pack=True),
     "m16_n32_row_pack": _tiles(16, 32, 32, 16, "row", pack=True),
     "m32_n16_lpt_split_pack": _tiles(32, 16, 16, 32, "lpt", split=True, pack=True),
+    "m32_n16_lpt_tma": _tiles(32, 16, 16, 32, "lpt", tma=True),
+    "m16_n32_row_split_tma": _tiles(16, 32, 32, 16, "row", split=True, tma=True),
 }
 PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack", "m32_n16_lpt_split_pack"]
+TMA = ["m32_n16_lpt_tma", "m16_n32_row_split_tma"]
 
 
 def _tile_cases():
-    # packed programs at groups of 4 and 2, and of 3 (which divides no tile: one program per head, as unpacked)
+    # packed programs at groups of 4 and 2, and of 3 (which divides no tile: one program per head, as unpacked);
+    # TMA at head dims 16 and 32, and 24 (no descriptor: not a power of two, so pointers)
     for tiles in TILES:
-        shapes = [(4, 1, 24), (4, 2, 16), (6, 2, 16)] if tiles in PACKED else [(4, 4, 16), (4, 1, 24)]
+        shapes = [(4, 4, 16), (4, 1, 24)]
+        if tiles in PACKED:
+            shapes = [(4, 1, 24), (4, 2, 16), (6, 2, 16)]
+        elif tiles in TMA:
+            shapes = [(4, 4, 16), (4, 2, 32), (4, 1, 24)]
         yield from (pytest.param(tiles, *shape, id=f"{tiles}-{shape}") for shape in shapes)
 
 
@@ -276,6 +293,25 @@ def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
         o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
         assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
         q.grad = k.grad = v.grad = None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("long_tiles", [False, True])
+def test_triton_tma_tiles_bf16_on_gpu(D, group, window, long_tiles):
+    """Every tile moved by TMA descriptors (rows past the end zero-filled on load, dropped on store), on the packed-row
+    and the long-document tiles."""
+    from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, triton_varlen_attention
+
+    doc_lengths = [700, 1, 129, 64, 2000, 37]
+    H = 8
+    q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
+    base = (CONFIGS_LONG if long_tiles else CONFIGS)[(D, group > 1)]
+    config = {part: {**cfg, "TMA": True} for part, cfg in base.items()}
+    o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
+    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 
 
 @needs_triton

@@ -34,6 +34,16 @@ def _packed_gqa_cases() -> list[dict]:
     return cases
 
 
+def _tma_cases() -> list[dict]:
+    """Every shipped config with its tiles moved through TMA descriptors (host-side descriptor arguments)."""
+    from sftflow.kernels.aot import shipped_cases
+
+    return [
+        dict(case, label=f"{case['label']} tma", config={p: {**c, "TMA": True} for p, c in case["config"].items()})
+        for case in shipped_cases()
+    ]
+
+
 # The D=256 split dK pass with 64x128 tiles ran out of shared memory on the H200 (benchmarks/RESULTS.md, "D=256 split
 # dK/dV"): compiled here, it must ask for more than sm_90 has, or the limit check could never fail.
 def _too_big_case() -> dict:
@@ -54,7 +64,7 @@ def compiled(tmp_path_factory, worker_id):
     from sftflow.kernels.aot import compile_in_child, shipped_cases
 
     def compile_all():
-        results = compile_in_child([*shipped_cases(), *_packed_gqa_cases(), _too_big_case()], SM90)
+        results = compile_in_child([*shipped_cases(), *_packed_gqa_cases(), *_tma_cases(), _too_big_case()], SM90)
         return {case["label"]: case for case in results}
 
     if worker_id == "master":
@@ -86,6 +96,15 @@ def test_packed_gqa_query_programs_compile(compiled):
     from sftflow.kernels.aot import SHARED_MEMORY
 
     for case in _packed_gqa_cases():
+        for name, kernel in _kernels(compiled[case["label"]]).items():
+            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+
+
+def test_tma_tiles_compile_and_fit(compiled):
+    """TMA replaces the tiles' pointer arithmetic with descriptor loads and stores: it must lower too."""
+    from sftflow.kernels.aot import SHARED_MEMORY
+
+    for case in _tma_cases():
         for name, kernel in _kernels(compiled[case["label"]]).items():
             assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
 
