@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the attention kernels for a GPU architecture, on a machine without a GPU.
+"""Ahead-of-time compilation of the Triton kernels for a GPU architecture, on a machine without a GPU.
 
 The CPU interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python, so it misses what only the compiler sees: code
 that does not lower (a constexpr branch whose two returns differ in shape runs in the interpreter and fails to
@@ -31,7 +31,7 @@ SHARED_MEMORY = {90: 232448}
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    name: str  # kernel and pass: "fwd", "dq", "dkdv", "dv" or "dk"
+    name: str  # attention: "fwd", "dq", "dkdv", "dv" or "dk"; else the kernel ("cross-entropy", "rope", ...)
     shared: int  # bytes of shared memory a program uses
     config: dict
     registers: int | None = None  # per thread (None without cuobjdump)
@@ -118,6 +118,34 @@ def compile_attention(D: int, group: int, config: dict, capability: int = 90) ->
     return out
 
 
+def compile_other_kernels(capability: int = 90) -> list[CompiledKernel]:
+    """The fused cross-entropy, RoPE and AdamW kernels at the block sizes and warps their launchers use."""
+    from sftflow.kernels import adamw_triton, cross_entropy_triton, rope_triton
+
+    out = []
+    ce = cross_entropy_triton
+    for has_correct in (False, True):
+        types = dict(logits_ptr="*bf16", target_ptr="*i64", loss_ptr="*fp32", correct_ptr="*fp32")
+        constexprs = dict(BLOCK_V=ce.BLOCK_V_MAX, HAS_CORRECT=has_correct)
+        kernel = compile_for(ce._ce_loss_and_grad_kernel, types, constexprs, ce.NUM_WARPS, 3, capability)
+        out.append(_describe(f"cross-entropy{' + accuracy' if has_correct else ''}", kernel, constexprs))
+    constexprs = dict(BLOCK=ce.SCALE_BLOCK)
+    kernel = compile_for(ce._scale_kernel, dict(x_ptr="*bf16", s_ptr="*fp32"), constexprs, 8, 3, capability)
+    out.append(_describe("cross-entropy scale", kernel, constexprs))
+    for transpose in (False, True):  # Llama 1B/8B: 32 heads, head dim 64 or 128
+        types = dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16")
+        constexprs = dict(BLOCK_H=32, BLOCK_HALF=64, TRANSPOSE=transpose)
+        kernel = compile_for(rope_triton._rope_kernel, types, constexprs, 4, 3, capability)
+        out.append(_describe(f"rope{' (transposed)' if transpose else ''}", kernel, constexprs))
+    types = dict(param_ptr="*bf16", low_ptr="*i16", grad_ptr="*bf16", exp_avg_ptr="*fp32", exp_avg_sq_ptr="*fp32")
+    types.update(step_ptr="*fp32", grad_scale_ptr="*fp32", found_inf_ptr="*fp32")
+    types.update({name: "fp32" for name in ("lr", "beta1", "beta2", "eps", "decay", "log2_beta1", "log2_beta2")})
+    constexprs = dict(SPLIT=True, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, BLOCK=adamw_triton.BLOCK)
+    kernel = compile_for(adamw_triton._adamw_master_kernel, types, constexprs, adamw_triton.NUM_WARPS, 3, capability)
+    out.append(_describe("adamw", kernel, constexprs))
+    return out
+
+
 def shipped_cases() -> list[dict]:
     """Every (head dim, GQA) config the kernels ship, for rows of short and of long documents (GQA as group 4)."""
     from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG
@@ -143,10 +171,12 @@ def compile_cases(cases: list[dict], capability: int = 90) -> list[dict]:
     return out
 
 
-def compile_in_child(cases: list[dict], capability: int = 90, timeout: float = 900) -> list[dict]:
-    """`compile_cases` in a fresh Python without ``TRITON_INTERPRET`` (callable from under the interpreter)."""
+def compile_in_child(cases: list[dict], capability: int = 90, others: bool = False, timeout: float = 900) -> list[dict]:
+    """`compile_cases` in a fresh Python without ``TRITON_INTERPRET`` (callable from under the interpreter); with
+    `others`, a last entry labelled "others" holds `compile_other_kernels`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "sftflow.kernels.aot", "--json", "--capability", str(capability)]
+    cmd += ["--others"] if others else []
     proc = subprocess.run(
         cmd, input=json.dumps(cases), capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
@@ -159,9 +189,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="read cases as JSON on stdin, write results as JSON")
     parser.add_argument("--capability", type=int, default=90)
+    parser.add_argument("--others", action="store_true", help="with --json: also the CE, RoPE and AdamW kernels")
     args = parser.parse_args(argv)
     if args.json:
-        print(json.dumps(compile_cases(json.load(sys.stdin), args.capability)))
+        results = compile_cases(json.load(sys.stdin), args.capability)
+        if args.others:
+            kernels = compile_other_kernels(args.capability)
+            rows = [dict(name=k.name, shared=k.shared, registers=k.registers, stack=k.stack) for k in kernels]
+            results.append(dict(label="others", kernels=rows))
+        print(json.dumps(results))
         return
     limit = SHARED_MEMORY.get(args.capability)
     print(f"sm_{args.capability}: shared memory limit {limit} bytes a block")
@@ -175,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = case["config"]["fwd" if k["name"] == "fwd" else "dq" if k["name"] == "dq" else "dkdv"]
             tiles = f"{cfg['BLOCK_M']} x {cfg['BLOCK_N']}, {cfg['num_warps']}, {cfg['num_stages']}"
             print(f"| {case['label']} | {k['name']} | {tiles} | {k['shared']} | {k['registers']} | {k['stack']} |")
+    for k in compile_other_kernels(args.capability):
+        print(f"| {k.name} | | {k.config} | {k.shared} | {k.registers} | {k.stack} |")
 
 
 if __name__ == "__main__":

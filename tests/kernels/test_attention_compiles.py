@@ -1,5 +1,5 @@
-"""The attention kernels compile for sm_90 (H100/H200) on this GPU-less machine, and every shipped block shape fits
-its shared memory: what the CPU interpreter cannot see (`sftflow.kernels.aot`, run in a child process because the
+"""The Triton kernels compile for sm_90 (H100/H200) on this GPU-less machine, and every shipped attention block shape
+fits its shared memory: what the CPU interpreter cannot see (`sftflow.kernels.aot`, run in a child process because the
 tests define the kernels under ``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def compiled(tmp_path_factory, worker_id):
     from sftflow.kernels.aot import compile_in_child, shipped_cases
 
     def compile_all():
-        results = compile_in_child([*shipped_cases(), *_packed_gqa_cases(), *_tma_cases(), _too_big_case()], SM90)
+        cases = [*shipped_cases(), *_packed_gqa_cases(), *_tma_cases(), _too_big_case()]
+        results = compile_in_child(cases, SM90, others=True)
         return {case["label"]: case for case in results}
 
     if worker_id == "master":
@@ -107,6 +108,15 @@ def test_tma_tiles_compile_and_fit(compiled):
     for case in _tma_cases():
         for name, kernel in _kernels(compiled[case["label"]]).items():
             assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+
+
+def test_the_cross_entropy_rope_and_adamw_kernels_compile_and_fit(compiled):
+    from sftflow.kernels.aot import SHARED_MEMORY
+
+    kernels = _kernels(compiled["others"])
+    assert {"cross-entropy", "cross-entropy + accuracy", "cross-entropy scale", "rope", "adamw"} <= kernels.keys()
+    for name, kernel in kernels.items():
+        assert kernel["shared"] <= SHARED_MEMORY[SM90], (name, kernel)
 
 
 def test_a_config_that_failed_to_launch_on_the_h200_is_over_the_limit(compiled):
