@@ -18,6 +18,7 @@ schedule and step counter.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import queue
@@ -264,8 +265,8 @@ class BoundedFileWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan, planner):
         write_files = getattr(self, "_write_data", None)
-        if write_files is None:  # a torch without the queue-based writer: DCP's file per tensor
-            return super().write_data(plan, planner)
+        if write_files is None or list(inspect.signature(write_files).parameters) != ["planner", "file_queue"]:
+            return super().write_data(plan, planner)  # a torch without this queue-based writer: a file per tensor
         file_queue: queue.Queue = queue.Queue()
         for number, items in enumerate(bounded_groups(plan.items, self.file_bytes)):
             name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
