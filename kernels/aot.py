@@ -57,6 +57,11 @@ def _describe(name: str, kernel, config: dict) -> CompiledKernel:
     return CompiledKernel(name, kernel.metadata.shared, config, *resource_usage(kernel.asm["cubin"]))
 
 
+def _row(kernel: CompiledKernel) -> dict:
+    """A kernel's resources as JSON (without its config, which the case already holds)."""
+    return dict(name=kernel.name, shared=kernel.shared, registers=kernel.registers, stack=kernel.stack)
+
+
 def compile_for(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, capability: int = 90):
     """Compile the `triton.jit` function `fn` for CUDA `capability`; `types` gives the non-constexpr arguments' types
     (``"*bf16"``, ``"fp32"``, ...; others are ``"i32"``). Returns Triton's compiled kernel (its `metadata.shared`)."""
@@ -166,8 +171,7 @@ def compile_cases(cases: list[dict], capability: int = 90) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - reported per case: a config that does not lower is a finding
             out.append({**case, "error": f"{type(err).__name__}: {err}"[:2000]})
             continue
-        rows = [dict(name=k.name, shared=k.shared, registers=k.registers, stack=k.stack) for k in kernels]
-        out.append({**case, "kernels": rows})
+        out.append({**case, "kernels": [_row(k) for k in kernels]})
     return out
 
 
@@ -194,9 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         results = compile_cases(json.load(sys.stdin), args.capability)
         if args.others:
-            kernels = compile_other_kernels(args.capability)
-            rows = [dict(name=k.name, shared=k.shared, registers=k.registers, stack=k.stack) for k in kernels]
-            results.append(dict(label="others", kernels=rows))
+            results.append(dict(label="others", kernels=[_row(k) for k in compile_other_kernels(args.capability)]))
         print(json.dumps(results))
         return
     limit = SHARED_MEMORY.get(args.capability)
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {case['label']} | failed: {case['error'].splitlines()[0]} | | | | |")
             continue
         for k in case["kernels"]:
-            cfg = case["config"]["fwd" if k["name"] == "fwd" else "dq" if k["name"] == "dq" else "dkdv"]
+            cfg = case["config"][k["name"] if k["name"] in ("fwd", "dq") else "dkdv"]
             tiles = f"{cfg['BLOCK_M']} x {cfg['BLOCK_N']}, {cfg['num_warps']}, {cfg['num_stages']}"
             print(f"| {case['label']} | {k['name']} | {tiles} | {k['shared']} | {k['registers']} | {k['stack']} |")
     for k in compile_other_kernels(args.capability):

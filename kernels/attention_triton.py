@@ -490,8 +490,7 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
 def _with_tma(cfg: dict, tensors: dict[str, tuple[torch.Tensor, int]]) -> dict[str, object]:
     """A kernel's tensor arguments: each (tensor, box rows) as a TMA descriptor where the config asks for `TMA` and
     every tensor fits (`tma_fits`; never with `PACK`, whose rows are gathered), else the tensors; sets cfg["TMA"]."""
-    cfg["TMA"] = bool(cfg.get("TMA", False)) and not cfg.get("PACK", False)
-    cfg["TMA"] = cfg["TMA"] and tma_fits(*(t for t, _ in tensors.values()))
+    cfg["TMA"] = cfg.get("TMA", False) and not cfg.get("PACK", False) and tma_fits(*(t for t, _ in tensors.values()))
     if not cfg["TMA"]:
         return {name: t for name, (t, _) in tensors.items()}
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -292,8 +292,7 @@ def item_bytes(item) -> int:
     """Bytes of one write item's data on this rank: its chunk of the tensor (a shard's chunk, not the whole)."""
     if item.tensor_data is None:
         return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
-    dtype = item.tensor_data.properties.dtype
-    return math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def storage_writer(path: Path, file_bytes: int = FILE_BYTES) -> BoundedFileWriter:
