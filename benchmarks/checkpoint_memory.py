@@ -26,7 +26,7 @@ import platform
 import time
 from pathlib import Path
 
-from host_memory import peak_bytes, reset_peak, run_modes
+from host_memory import peak_bytes, print_rows, reset_peak, run_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,15 +104,11 @@ def main() -> None:
     machine = platform.processor() or platform.machine()
     print(f"{machine}, python {platform.python_version()}, torch {torch.__version__}; {Path(args.config).name} with "
           f"{args.layers} layers, the `model` component (fp32 masters) alone")  # fmt: skip
-    print("| mode | parameters | files | save: extra host GiB | save s | load: extra host GiB | load s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['mode']} | failed: {r['error']} | | | | | |")
-            continue
-        print(f"| {r['mode']} | {r['params'] / 1e9:.2f}B | {r['files']} | {r['save_gib']:.2f} | {r['save_s']:.1f} | "
-              f"{r['load_gib']:.2f} | {r['load_s']:.1f} |")  # fmt: skip
-    ok = {r["mode"]: r for r in rows if "error" not in r}
+    headers = ["parameters", "files", "save: extra host GiB", "save s", "load: extra host GiB", "load s"]
+    ok = print_rows(rows, headers, lambda r: [
+        f"{r['params'] / 1e9:.2f}B", str(r["files"]), f"{r['save_gib']:.2f}", f"{r['save_s']:.1f}",
+        f"{r['load_gib']:.2f}", f"{r['load_s']:.1f}",
+    ])  # fmt: skip
     if {"deferred", "joined"} <= ok.keys():
         d, j = ok["deferred"], ok["joined"]
         print(f"\ndeferred / joined: save {d['save_gib'] / j['save_gib']:.2f}x the host memory, "

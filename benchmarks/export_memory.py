@@ -21,7 +21,7 @@ import resource
 import time
 from pathlib import Path
 
-from host_memory import resident_bytes, run_modes
+from host_memory import print_rows, resident_bytes, run_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,15 +79,11 @@ def main() -> None:
     machine = platform.processor() or platform.machine()
     versions = f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
     print(f"{machine}, {versions}; {Path(args.config).name}, {args.dtype}, shards of {args.shard_gb} GB")
-    print("| mode | parameters | extra host memory GiB | seconds | files | bytes written |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['mode']} | failed: {r['error']} | | | | |")
-            continue
-        print(f"| {r['mode']} | {r['params'] / 1e9:.2f}B | {r['extra_gib']:.2f} | {r['seconds']:.1f} | {r['files']} | "
-              f"{r['bytes'] / 1e9:.2f} GB |")  # fmt: skip
-    ok = {r["mode"]: r for r in rows if "error" not in r}
+    headers = ["parameters", "extra host memory GiB", "seconds", "files", "bytes written"]
+    ok = print_rows(rows, headers, lambda r: [
+        f"{r['params'] / 1e9:.2f}B", f"{r['extra_gib']:.2f}", f"{r['seconds']:.1f}", str(r["files"]),
+        f"{r['bytes'] / 1e9:.2f} GB",
+    ])  # fmt: skip
     if {"streamed", "whole"} <= ok.keys():
         print(f"\nstreamed / whole: {ok['streamed']['extra_gib'] / ok['whole']['extra_gib']:.2f}x the host memory, "
               f"{ok['streamed']['seconds'] / ok['whole']['seconds']:.2f}x the time")  # fmt: skip

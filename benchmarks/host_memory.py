@@ -46,3 +46,16 @@ def run_modes(script: str, modes: list[str], args: list[str]) -> list[dict]:
                 continue
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return rows
+
+
+def print_rows(rows: list[dict], headers: list[str], cells) -> dict[str, dict]:
+    """Print `run_modes` rows as a markdown table (`cells(row)` gives the cells after the mode; a failed mode gets
+    its error), and return the rows that ran, by mode."""
+    print("| mode | " + " | ".join(headers) + " |")
+    print("|---" * (len(headers) + 1) + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error']} |" + " |" * (len(headers) - 1))
+            continue
+        print(f"| {r['mode']} | " + " | ".join(cells(r)) + " |")
+    return {r["mode"]: r for r in rows if "error" not in r}
