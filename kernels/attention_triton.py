@@ -34,8 +34,9 @@ a short document's diagonal block is as narrow as BLOCK_M // GROUP positions whi
 
 TMA (``TMA`` in a config): tiles are loaded and stored through host-side tensor descriptors over each tensor's (T, heads
 * D) rows, one bulk copy per tile (zero-filled past the row's end on load, dropped on store), instead of per-thread
-pointers and masks: fewer registers (`python -m sftflow.kernels.aot`). Where a tensor's layout does not allow it
-(`tma_fits`), or with PACK, pointers.
+pointers and masks: fewer registers (`python -m sftflow.kernels.aot`), and 1-8% faster forward+backward on an H100
+(benchmarks/RESULTS.md), so the shipped configs ask for it. Where a tensor's layout does not allow it (`tma_fits`),
+on GPUs before Hopper, on a Triton without host-side descriptors (`tma_supported`), or with PACK, pointers.
 
 Softmax runs in base 2 (exp2) on fp32 scores; the forward saves the per-row log-sum-exp for the backward. Imported
 lazily by ``attention`` so TRITON_INTERPRET can be set first.
@@ -43,6 +44,7 @@ lazily by ``attention`` so TRITON_INTERPRET can be set first.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -64,16 +66,22 @@ def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4, sp
     return {**cfg, "SPLIT": True} if split else cfg
 
 
+def _tma(parts: dict) -> dict:
+    """A kernel set's configs with their tiles moved through TMA descriptors."""
+    return {part: {**cfg, "TMA": True} for part, cfg in parts.items()}
+
+
 # D=256 dK/dV in two passes (dV, then dK), each with one 128-key fp32 accumulator: 1.24x the single pass with two
 # 32-64-key accumulators on long documents, 1.07x on packed rows, for recomputing the scores once more.
 _SPLIT_256 = _cfg(32, 128, 2, "row", 8, split=True)
 
 
+# TMA where it was timed against pointers (every shape but packed rows at D=256).
 CONFIGS = {
-    (64, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
-    (64, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
-    (128, False): {"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")},
-    (128, True): {"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")},
+    (64, False): _tma({"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")}),
+    (64, True): _tma({"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")}),
+    (128, False): _tma({"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")}),
+    (128, True): _tma({"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")}),
     # Gemma 3 (D=256): shallower tiles, so that K/V stages and the fp32 accumulators fit shared memory and registers
     (256, False): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
     (256, True): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
@@ -82,15 +90,18 @@ CONFIGS = {
 # (an 8192-token document does 14x the work of 8192 tokens of 600-token ones) and few of its blocks are masked, so
 # deeper tiles pay off there; on short documents they waste work on the diagonals. Measured without windows only.
 LONG_DOC = 8192
-_LONG_64 = {"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(32, 128, 3, "row"), "dq": _cfg(128, 64, 3, "lpt")}
-_LONG_128 = {"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(64, 128, 3, "lpt", 8), "dq": _cfg(128, 64, 3, "lpt", 8)}
+_LONG_64 = _tma({"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(32, 128, 3, "row"), "dq": _cfg(128, 64, 3, "lpt")})
+_LONG_128 = _tma(
+    {"fwd": _cfg(128, 64, 3, "lpt", 8), "dkdv": _cfg(64, 128, 3, "lpt", 8), "dq": _cfg(128, 64, 3, "lpt", 8)}
+)
+_LONG_256 = _tma({"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)})
 CONFIGS_LONG = {
     (64, False): _LONG_64,
     (64, True): _LONG_64,
     (128, False): _LONG_128,
     (128, True): _LONG_128,
-    (256, False): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
-    (256, True): {"fwd": _cfg(64, 32, 2, "lpt"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, False): _LONG_256,
+    (256, True): _LONG_256,
 }
 SMALL_CONFIG = _cfg(16, 16, 1, "lpt")  # the CPU interpreter and odd head dims
 
@@ -487,10 +498,28 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
+@functools.cache
+def tma_supported(device: torch.device) -> bool:
+    """Whether this Triton has host-side tensor descriptors and `device` a copy engine for them (Hopper and later; the
+    CPU interpreter emulates them)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _with_tma(cfg: dict, tensors: dict[str, tuple[torch.Tensor, int]]) -> dict[str, object]:
-    """A kernel's tensor arguments: each (tensor, box rows) as a TMA descriptor where the config asks for `TMA` and
-    every tensor fits (`tma_fits`; never with `PACK`, whose rows are gathered), else the tensors; sets cfg["TMA"]."""
-    cfg["TMA"] = cfg.get("TMA", False) and not cfg.get("PACK", False) and tma_fits(*(t for t, _ in tensors.values()))
+    """A kernel's tensor arguments: each (tensor, box rows) as a TMA descriptor where the config asks for `TMA`, the
+    device takes descriptors (`tma_supported`) and every tensor fits (`tma_fits`; never with `PACK`, whose rows are
+    gathered), else the tensors; sets cfg["TMA"]."""
+    first = next(iter(tensors.values()))[0]
+    cfg["TMA"] = (
+        cfg.get("TMA", False)
+        and not cfg.get("PACK", False)
+        and tma_supported(first.device)
+        and tma_fits(*(t for t, _ in tensors.values()))
+    )
     if not cfg["TMA"]:
         return {name: t for name, (t, _) in tensors.items()}
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -300,18 +300,39 @@ def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("long_tiles", [False, True])
-def test_triton_tma_tiles_bf16_on_gpu(D, group, window, long_tiles):
-    """Every tile moved by TMA descriptors (rows past the end zero-filled on load, dropped on store), on the packed-row
-    and the long-document tiles."""
+def test_triton_pointer_tiles_bf16_on_gpu(D, group, window, long_tiles):
+    """Every tile through per-thread pointers and masks instead of the shipped TMA descriptors (the path of tensors
+    that descriptors cannot cover, and of GPUs before Hopper), on the packed-row and the long-document tiles."""
     from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, triton_varlen_attention
 
     doc_lengths = [700, 1, 129, 64, 2000, 37]
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     base = (CONFIGS_LONG if long_tiles else CONFIGS)[(D, group > 1)]
-    config = {part: {**cfg, "TMA": True} for part, cfg in base.items()}
+    config = {part: {**cfg, "TMA": False} for part, cfg in base.items()}
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
+
+
+@needs_triton
+def test_tma_falls_back_to_pointers_where_triton_has_no_descriptors(monkeypatch):
+    """The shipped configs ask for TMA; a Triton without host-side descriptors gets the pointer path, not an error."""
+    import sys
+
+    from sftflow.kernels import attention_triton
+
+    cpu = torch.device("cpu")
+    attention_triton.tma_supported.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton.tools.tensor_descriptor", None)  # import raises ImportError
+    try:
+        assert not attention_triton.tma_supported(cpu)
+        cfg, t = {"TMA": True}, torch.zeros(8, 2, 16)
+        args = attention_triton._with_tma(cfg, {"q": (t, 16)})
+        assert cfg["TMA"] is False and args["q"] is t
+    finally:
+        attention_triton.tma_supported.cache_clear()
+    monkeypatch.undo()
+    assert attention_triton.tma_supported(cpu)  # the interpreter emulates descriptors
 
 
 @needs_triton
