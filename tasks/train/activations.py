@@ -189,6 +189,16 @@ def resolve_memory_budget(
     return 1.0 if fits(config, "off", row_tokens, state, free, offload) else ELEMENTWISE_BUDGET
 
 
+def settle_memory_budget(setting: str | float, budget: float, checkpointing: str | int, num_layers: int) -> float:
+    """`auto`'s budget once the checkpointing is known: 1 where every layer is checkpointed. There no layer keeps its
+    activations to the backward, so dropping elementwise outputs saves nothing, and recomputing them in the backward of
+    the layer being recomputed holds them beside its other tensors at the peak (a 1B at 64k-token rows, `full`: 25.5
+    GiB at 0.99 against 24.0 at 1, the same speed, on an H100). A budget that was set is kept."""
+    if setting == "auto" and checkpointed_layers(checkpointing, num_layers) == num_layers:
+        return 1.0
+    return budget
+
+
 def apply_memory_budget(budget: float) -> None:
     """Set the compiler's `activation_memory_budget` (read when a layer first compiles: before the first step)."""
     import torch._functorch.config as functorch_config

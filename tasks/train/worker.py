@@ -34,6 +34,7 @@ from sftflow.tasks.train.activations import (
     checkpointing_label,
     resolve_activation_checkpointing,
     resolve_memory_budget,
+    settle_memory_budget,
 )
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
 from sftflow.tasks.train.capacity import model_state_bytes
@@ -457,10 +458,11 @@ def build_run(run_dir: Path) -> Run:
     budget = resolve_memory_budget(
         config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, offload, free
     )
-    apply_memory_budget(budget)
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free, budget
     )
+    budget = settle_memory_budget(config.activation_memory_budget, budget, checkpointing, len(layers))
+    apply_memory_budget(budget)
     apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)
     checkpoint_c = cfg.checkpoint_config(config)
