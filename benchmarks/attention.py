@@ -1,7 +1,7 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--docs packed|long] [--variants triton triton-pack triton-pointers torch flex]
-                                   [--sweep] [--out results.md]
+    python benchmarks/attention.py [--docs packed|long] [--sweep] [--out results.md]
+        [--variants triton triton-pack triton-pointers triton-tma torch flex]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -10,11 +10,12 @@ at 8192 or more by merging it into the one before). bf16; (H, K, D) shapes: pack
 (16, 16, 128), (16, 4, 128); long (32, 8, 64), (16, 16, 128), (16, 4, 128), (16, 8, 256).
 Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the causal half:
 2 matmuls x 2*(L^2/2)*D per head), backward 2.5x that, so forward+backward 3.5x. Timed with triton.testing.do_bench
-(median). Each variant's output is checked against torch varlen_attn (or the sdpa reference when absent).
+(median). Each variant's output is checked against torch varlen_attn (or sdpa's dense reference where that cannot run).
 `triton-pack`: our kernels with query tiles packed per GQA group (`PACK`: the forward's and dQ's programs per kv head,
 the group's query heads stacked as the rows of every query tile, in the dK/dV loop too), on the default tiles; at
 K = H it is the same as `triton`. `triton-pointers`: the default tiles loaded and stored through per-thread pointers and
-masks instead of TMA tensor descriptors (`TMA` off: the path GPUs before Hopper take).
+masks instead of TMA tensor descriptors (`TMA` off: the path GPUs before Hopper take); `triton-tma`: TMA on in every
+kernel (the shipped configs leave it off for packed rows at D=256, where it was not timed).
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -35,6 +36,8 @@ from sftflow.kernels.attention_triton import triton_varlen_attention
 
 SHAPES = [(32, 32, 64), (32, 8, 64), (16, 16, 128), (16, 4, 128)]  # (H, K, D)
 LONG_SHAPES = [(32, 8, 64), (16, 16, 128), (16, 4, 128), (16, 8, 256)]
+# Variants of our kernels: the shipped configs with one flag set in every kernel.
+FLAG_VARIANTS = {"triton-pack": {"PACK": True}, "triton-pointers": {"TMA": False}, "triton-tma": {"TMA": True}}
 DOCS = {  # name: (default T, lognormal median, sigma, shortest, longest)
     "packed": (16384, 600, 1.0, 16, 4096),
     "long": (65536, 16384, 0.7, 8192, 65536),
@@ -118,9 +121,8 @@ def main() -> None:
         for name in args.variants:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
-            elif name in ("triton-pack", "triton-pointers"):
-                flag = {"PACK": True} if name == "triton-pack" else {"TMA": False}
-                over = {part: flag for part in ("fwd", "dq", "dkdv")}
+            elif name in FLAG_VARIANTS:
+                over = {part: FLAG_VARIANTS[name] for part in ("fwd", "dq", "dkdv")}
                 fns[name] = lambda q, k, v, cu, m, c=over: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
