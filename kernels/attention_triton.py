@@ -34,7 +34,7 @@ a short document's diagonal block is as narrow as BLOCK_M // GROUP positions whi
 
 TMA (``TMA`` in a config): tiles are loaded and stored through host-side tensor descriptors over each tensor's (T, heads
 * D) rows, one bulk copy per tile (zero-filled past the row's end on load, dropped on store), instead of per-thread
-pointers and masks: fewer registers (`python -m sftflow.kernels.aot`), and 1-8% faster forward+backward on an H100
+pointers and masks: fewer registers (`python -m sftflow.kernels.aot`), and 0-8% faster forward+backward on an H100
 (benchmarks/RESULTS.md), so the shipped configs ask for it. Where a tensor's layout does not allow it (`tma_fits`),
 on GPUs before Hopper, on a Triton without host-side descriptors (`tma_supported`), or with PACK, pointers.
 
@@ -76,7 +76,7 @@ def _tma(parts: dict) -> dict:
 _SPLIT_256 = _cfg(32, 128, 2, "row", 8, split=True)
 
 
-# TMA where it was timed against pointers (every shape but packed rows at D=256).
+# TMA tiles everywhere but packed rows at D=256, where TMA was not timed against pointers.
 CONFIGS = {
     (64, False): _tma({"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")}),
     (64, True): _tma({"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")}),
