@@ -1,7 +1,7 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
     python benchmarks/attention.py [--docs packed|long] [--sweep] [--out results.md]
-        [--variants triton triton-pack triton-pointers triton-tma torch flex]
+        [--variants triton triton-pack triton-pointers triton-tma triton-atomic torch flex]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -15,7 +15,8 @@ Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the caus
 the group's query heads stacked as the rows of every query tile, in the dK/dV loop too), on the default tiles; at
 K = H it is the same as `triton`. `triton-pointers`: the default tiles loaded and stored through per-thread pointers and
 masks instead of TMA tensor descriptors (`TMA` off: the path GPUs before Hopper take); `triton-tma`: TMA on in every
-kernel (the shipped configs leave it off for packed rows at D=256, where it was not timed).
+kernel (the shipped configs leave it off for packed rows at D=256, where it was not timed). `triton-atomic`: dQ added
+by the dK/dV kernel (a TMA bulk reduction a tile where the tiles go through TMA), no dQ kernel.
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -36,8 +37,14 @@ from sftflow.kernels.attention_triton import triton_varlen_attention
 
 SHAPES = [(32, 32, 64), (32, 8, 64), (16, 16, 128), (16, 4, 128)]  # (H, K, D)
 LONG_SHAPES = [(32, 8, 64), (16, 16, 128), (16, 4, 128), (16, 8, 256)]
-# Variants of our kernels: the shipped configs with one flag set in every kernel.
-FLAG_VARIANTS = {"triton-pack": {"PACK": True}, "triton-pointers": {"TMA": False}, "triton-tma": {"TMA": True}}
+# Variants of our kernels: the shipped configs with a flag set, per kernel.
+_EVERY = ("fwd", "dq", "dkdv")
+FLAG_VARIANTS = {
+    "triton-pack": {part: {"PACK": True} for part in _EVERY},
+    "triton-pointers": {part: {"TMA": False} for part in _EVERY},
+    "triton-tma": {part: {"TMA": True} for part in _EVERY},
+    "triton-atomic": {"dkdv": {"ATOMIC_DQ": True}},
+}
 DOCS = {  # name: (default T, lognormal median, sigma, shortest, longest)
     "packed": (16384, 600, 1.0, 16, 4096),
     "long": (65536, 16384, 0.7, 8192, 65536),
@@ -122,8 +129,9 @@ def main() -> None:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
             elif name in FLAG_VARIANTS:
-                over = {part: FLAG_VARIANTS[name] for part in ("fwd", "dq", "dkdv")}
-                fns[name] = lambda q, k, v, cu, m, c=over: triton_varlen_attention(q, k, v, cu, m, D**-0.5, config=c)
+                fns[name] = lambda q, k, v, cu, m, c=FLAG_VARIANTS[name]: triton_varlen_attention(
+                    q, k, v, cu, m, D**-0.5, config=c
+                )
             else:
                 fns[name] = lambda q, k, v, cu, m, name=name: varlen_attention(q, k, v, cu, m, backend=name)
         # The reference: torch's varlen kernel wherever it runs (sdpa's dense mask at T=65536 takes 64 GiB).
@@ -176,6 +184,8 @@ PACK_GRID = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), 
 # Packed dK/dV tiles that compile for sm_90 without spilling at D=128 and group 4 (python -m sftflow.kernels.aot with
 # triton 3.6); a fifth field splits the dV and dK passes.
 PACK_DKDV_GRID = [(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3, True)]
+# dK/dV tiles with dQ added by the kernel (D <= 128; at D=256 its dK pass needs more shared memory than sm_90 has).
+ATOMIC_GRID = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
@@ -290,6 +300,12 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     for part in grids:  # TMA (the copy engine moves the tiles) against pointers
         trials = [current[part], {**current[part], "TMA": not current[part].get("TMA", False)}]
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+    if D <= 128:  # dQ added by the dK/dV kernel (no dQ kernel): its traffic per block product falls with deeper keys
+        trials = [current["dkdv"]] + [
+            {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "ATOMIC_DQ": True}
+            for bm, bn, w, st in ATOMIC_GRID
+        ]
+        current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
     if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):
             trials = [current[part]] + [
