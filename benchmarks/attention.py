@@ -184,8 +184,10 @@ PACK_GRID = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), 
 # Packed dK/dV tiles that compile for sm_90 without spilling at D=128 and group 4 (python -m sftflow.kernels.aot with
 # triton 3.6); a fifth field splits the dV and dK passes.
 PACK_DKDV_GRID = [(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3, True)]
-# dK/dV tiles with dQ added by the kernel (D <= 128; at D=256 its dK pass needs more shared memory than sm_90 has).
+# dK/dV tiles with dQ added by the kernel. At D=256 (split passes) the shipped 32x128 dK pass then needs 237,840 bytes
+# of shared memory, over sm_90's 232,448; these fit (python -m sftflow.kernels.aot, triton 3.6).
 ATOMIC_GRID = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
+ATOMIC_GRID_256 = [(16, 128, 8, 2), (32, 128, 8, 1), (32, 64, 8, 2)]
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
@@ -300,12 +302,12 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     for part in grids:  # TMA (the copy engine moves the tiles) against pointers
         trials = [current[part], {**current[part], "TMA": not current[part].get("TMA", False)}]
         current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
-    if D <= 128:  # dQ added by the dK/dV kernel (no dQ kernel): its traffic per block product falls with deeper keys
-        trials = [current["dkdv"]] + [
-            {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "ATOMIC_DQ": True}
-            for bm, bn, w, st in ATOMIC_GRID
-        ]
-        current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
+    # dQ added by the dK/dV kernel (no dQ kernel): its traffic per block product falls with deeper key tiles
+    trials = [current["dkdv"]] + [
+        {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "ATOMIC_DQ": True}
+        for bm, bn, w, st in (ATOMIC_GRID if D <= 128 else ATOMIC_GRID_256)
+    ]
+    current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
     if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):
             trials = [current[part]] + [
