@@ -681,7 +681,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     _bwd_delta_kernel[(triton.cdiv(T, 64), H)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), T, D, BLOCK_M=64, BLOCK_D=block_d
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     order_kv, cfg_kv = _launch(config["dkdv"])
     cfg_kv["PACK"] = packs(cfg_kv, H // K)
     grid_q, blocks_q, cfg_q = _query_launch(config["dq"], T, H, H // K, layout, window)
@@ -693,7 +693,8 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     atomic = cfg_kv.pop("ATOMIC_DQ", False) and not torch.are_deterministic_algorithms_enabled()
     m, n = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
     kv_args = _with_tma(cfg_kv, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dk=(dk, n), dv=(dv, n)))
-    dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device) if atomic else dq
+    # dQ: an fp32 sum the dK/dV kernel adds into, or the dQ kernel's output (its pointer then goes unused here)
+    dq = torch.zeros((T, H, D), dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
     # Bulk reductions where the tiles go through TMA on a GPU (the CPU interpreter has none: element atomics there).
     bulk = atomic and cfg_kv["TMA"] and q.device.type == "cuda"
     cfg_kv["ATOMIC_DQ"] = 2 if bulk else int(atomic)
@@ -710,9 +711,9 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             dk.stride(1),
             dv.stride(0),
             dv.stride(1),
-            _descriptor(dq_acc, m) if bulk else dq_acc,
-            dq_acc.stride(0),
-            dq_acc.stride(1),
+            _descriptor(dq, m) if bulk else dq,
+            dq.stride(0),
+            dq.stride(1),
             T,
             D,
             K,
@@ -724,7 +725,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             PART=part,
         )
     if atomic:
-        return dq_acc.to(q.dtype), dk, dv
+        return dq.to(q.dtype), dk, dv
     m, n = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]
     q_args = _with_tma(cfg_q, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dq=(dq, m)))
     _bwd_dq_kernel[grid_q](
