@@ -16,7 +16,8 @@ the group's query heads stacked as the rows of every query tile, in the dK/dV lo
 K = H it is the same as `triton`. `triton-pointers`: the default tiles loaded and stored through per-thread pointers and
 masks instead of TMA tensor descriptors (`TMA` off: the path GPUs before Hopper take); `triton-tma`: TMA on in every
 kernel (the shipped configs leave it off for packed rows at D=256, where it was not timed). `triton-atomic`: dQ added
-by the dK/dV kernel (a TMA bulk reduction a tile where the tiles go through TMA), no dQ kernel.
+by the dK/dV kernel (a TMA bulk reduction a tile where the tiles go through TMA), no dQ kernel;
+`triton-atomic-element`: the same with that kernel's tiles through pointers and dQ by element atomics.
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -44,6 +45,7 @@ FLAG_VARIANTS = {
     "triton-pointers": {part: {"TMA": False} for part in _EVERY},
     "triton-tma": {part: {"TMA": True} for part in _EVERY},
     "triton-atomic": {"dkdv": {"ATOMIC_DQ": True}},
+    "triton-atomic-element": {"dkdv": {"ATOMIC_DQ": True, "TMA": False}},
 }
 DOCS = {  # name: (default T, lognormal median, sigma, shortest, longest)
     "packed": (16384, 600, 1.0, 16, 4096),
