@@ -100,41 +100,36 @@ def _kernels(case: dict) -> dict[str, dict]:
     return {k["name"]: k for k in case["kernels"]}
 
 
+def _assert_every_kernel_fits(compiled, cases: list[dict]) -> None:
+    from sftflow.kernels.aot import SHARED_MEMORY
+
+    for case in cases:
+        for name, kernel in _kernels(compiled[case["label"]]).items():
+            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+
+
 def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
-    from sftflow.kernels.aot import SHARED_MEMORY, shipped_cases
+    from sftflow.kernels.aot import shipped_cases
 
     for case in shipped_cases():
         kernels = _kernels(compiled[case["label"]])
         assert {"fwd", "dq"} <= kernels.keys() and ({"dkdv"} <= kernels.keys() or {"dv", "dk"} <= kernels.keys())
-        for name, kernel in kernels.items():
-            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+    _assert_every_kernel_fits(compiled, shipped_cases())
 
 
 def test_packed_gqa_query_programs_compile(compiled):
     """PACK changes the kernels' query rows and head offsets: it must lower, not only interpret."""
-    from sftflow.kernels.aot import SHARED_MEMORY
-
-    for case in _packed_gqa_cases():
-        for name, kernel in _kernels(compiled[case["label"]]).items():
-            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+    _assert_every_kernel_fits(compiled, _packed_gqa_cases())
 
 
 def test_pointer_tiles_compile_and_fit(compiled):
     """Without descriptors the tiles' loads and stores are pointer arithmetic and masks: that path must lower too."""
-    from sftflow.kernels.aot import SHARED_MEMORY
-
-    for case in _pointer_cases():
-        for name, kernel in _kernels(compiled[case["label"]]).items():
-            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+    _assert_every_kernel_fits(compiled, _pointer_cases())
 
 
 def test_atomic_dq_tiles_compile_and_fit(compiled):
     """The dK/dV kernel that also adds dQ (a TMA bulk reduction a tile, or element atomics) must lower and fit."""
-    from sftflow.kernels.aot import SHARED_MEMORY
-
-    for case in _atomic_dq_cases():
-        for name, kernel in _kernels(compiled[case["label"]]).items():
-            assert 0 < kernel["shared"] <= SHARED_MEMORY[SM90], (case["label"], name, kernel)
+    _assert_every_kernel_fits(compiled, _atomic_dq_cases())
 
 
 def test_the_cross_entropy_rope_and_adamw_kernels_compile_and_fit(compiled):
