@@ -1,7 +1,7 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
     python benchmarks/attention.py [--docs packed|long] [--sweep] [--out results.md]
-        [--variants triton triton-pack triton-pointers triton-tma triton-atomic torch flex]
+        [--variants triton triton-pack triton-pointers triton-tma triton-atomic triton-atomic-element torch flex]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -290,6 +290,10 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
         print(f"sweep H={H} K={K} D={D} fwd+bwd {config}: {ms:.3f} ms {3.5 * fwd_flops / ms / 1e9:.0f} TFLOP/s")
         return ms
 
+    def choose(part: str, trials: list[dict]) -> None:
+        """Keep the fastest of `trials` for kernel `part`, the other kernels as chosen so far."""
+        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+
     for part, grid in grids.items():
         trials = []
         for bm, bn, w, st, *split in grid:
@@ -297,32 +301,32 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
             if part == "dkdv":
                 trial["SPLIT"] = bool(split and split[0])
             trials.append(trial)
-        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+        choose(part, trials)
     for part in grids:
         trials = [{**current[part], "ORDER": order} for order in ("lpt", "row")]
-        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+        choose(part, trials)
     for part in grids:  # TMA (the copy engine moves the tiles) against pointers
         trials = [current[part], {**current[part], "TMA": not current[part].get("TMA", False)}]
-        current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+        choose(part, trials)
     # dQ added by the dK/dV kernel (no dQ kernel): its traffic per block product falls with deeper key tiles
     trials = [current["dkdv"]] + [
         {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "ATOMIC_DQ": True}
         for bm, bn, w, st in (ATOMIC_GRID if D <= 128 else ATOMIC_GRID_256)
     ]
-    current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
+    choose("dkdv", trials)
     if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):
             trials = [current[part]] + [
                 {**current[part], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "PACK": True}
                 for bm, bn, w, st in PACK_GRID
             ]
-            current[part] = min(trials, key=lambda cfg: time_config({**current, part: cfg}))
+            choose(part, trials)
         trials = [current["dkdv"], {**current["dkdv"], "PACK": True}] + [
             {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "SPLIT": bool(split),
              "PACK": True}
             for bm, bn, w, st, *split in PACK_DKDV_GRID
         ]  # fmt: skip
-        current["dkdv"] = min(trials, key=lambda cfg: time_config({**current, "dkdv": cfg}))
+        choose("dkdv", trials)
     print(f"sweep best H={H} K={K} D={D}: {current}", flush=True)
 
 
