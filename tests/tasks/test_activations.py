@@ -306,6 +306,23 @@ def test_auto_keeps_the_elementwise_budget_only_where_some_layer_keeps_its_activ
     assert settle_memory_budget(0.99, 0.99, "full", 32) == 0.99  # a budget the user set is theirs
 
 
+def test_the_layer_being_recomputed_counts_all_its_bytes_at_any_budget():
+    """Below budget 1 a recomputed layer's backward also recomputes the outputs its forward dropped, so it holds all
+    of them: the budget shrinks only the layers that keep their activations."""
+    from sftflow.tasks.train.activations import ELEMENTWISE_KEPT_DEFAULT, layer_bytes_per_token
+
+    config, _ = _state("8b")
+    assert activation_bytes_per_token(config, "full", budget=ELEMENTWISE_BUDGET) == activation_bytes_per_token(
+        config, "full"
+    )
+    for count in (8, 24):
+        saved = activation_bytes_per_token(config, count) - activation_bytes_per_token(
+            config, count, budget=ELEMENTWISE_BUDGET
+        )
+        kept_layers = config.num_hidden_layers - count
+        assert saved == pytest.approx(kept_layers * (1 - ELEMENTWISE_KEPT_DEFAULT) * layer_bytes_per_token(config))
+
+
 @pytest.mark.parametrize("size, row_tokens", [("1b", 131072), ("8b", 16384), ("8b", 24576)])
 def test_auto_is_the_line_between_fitting_and_not(size, row_tokens):
     """The count `auto` picks fits, one layer fewer does not, and each layer more recomputed keeps less."""
