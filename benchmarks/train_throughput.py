@@ -25,7 +25,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **Cl** / **Cn** (the one-GPU peers, as their users run them: no FSDP, the plain fp32 model under bf16 autocast,
   torch `varlen_attn`, torch's fused AdamW): Cl with Liger's full Llama kernel set (`apply_liger_kernel_to_llama`:
   RoPE, RMSNorm, SwiGLU and the fused linear CE), eager (torch 2.11's dynamo fails on Liger's RMSNorm function under
-  autocast); Cn with Liger's fused linear CE and compiled decoder layers.
+  autocast); Cn with Liger's fused linear CE and compiled decoder layers; **Cnac**: Cn with transformers' gradient
+  checkpointing on every decoder layer, for rows whose activations do not fit a GPU without it.
 - **Cac**: C plus transformers' gradient checkpointing on every decoder layer (`gradient_checkpointing_enable`,
   non-reentrant), how its users fit long rows or big models.
 - **Clac**: Cac with Liger's full Llama kernel set (RoPE, RMSNorm, SwiGLU beside the fused linear CE): the strongest
@@ -129,7 +130,7 @@ PRESETS = {
 }
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
-MODES = ("A", "B", "C", "Cl", "Cn", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
+MODES = ("A", "B", "C", "Cl", "Cn", "Cnac", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
 MULTI_GPU_MODES = {"B", "C", "Cac", "Clac"}  # the FSDP baselines, under torchrun --nproc-per-node N
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
@@ -652,8 +653,8 @@ class Bench:
         return result
 
     # -- Cl: the one-GPU peer with Liger's full kernel set ---------------------------------------------------------
-    def mode_one_gpu_peer(self, liger_all: bool, compiled: bool) -> dict:
-        name = "Cl" if liger_all else "Cn"
+    def mode_one_gpu_peer(self, liger_all: bool, compiled: bool, checkpointing: bool = False) -> dict:
+        name = ("Cl" if liger_all else "Cn") + ("ac" if checkpointing else "")
         if self.device.type != "cuda":
             raise ValueError(f"mode {name} needs CUDA (Liger's kernels)")
         args = self.args
@@ -666,6 +667,8 @@ class Bench:
         if compiled:
             torch._dynamo.reset()
             compile_layers(lm)
+        if checkpointing:  # what transformers users turn on: every decoder layer, non-reentrant
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = LigerRoot(lm, self.device)
         c = self.optim_c
         optimizer = torch.optim.AdamW(
@@ -681,6 +684,7 @@ class Bench:
         extra = {
             "what": f"no FSDP, fp32 weights + bf16 autocast, {kernels}{model.loss_name}, {attention}, "
             + ("compiled layers (dynamic), " if compiled else "eager, ")
+            + ("gradient checkpointing (every layer), " if checkpointing else "")
             + "torch fused AdamW"
         }
         result = self.timed(name, step, warmup, args.steps, extra)
@@ -1263,6 +1267,7 @@ def main(argv=None) -> dict:
             "C": partial(bench.mode_bc, compiled=True),
             "Cl": partial(bench.mode_one_gpu_peer, liger_all=True, compiled=False),
             "Cn": partial(bench.mode_one_gpu_peer, liger_all=False, compiled=True),
+            "Cnac": partial(bench.mode_one_gpu_peer, liger_all=False, compiled=True, checkpointing=True),
             "Cac": partial(bench.mode_bc, compiled=True, checkpointing=True),
             "Clac": partial(bench.mode_bc, compiled=True, checkpointing=True, liger_all=True),
             "D": partial(bench.mode_d, "D", out),
