@@ -3,7 +3,8 @@
 Meant for a schedule (`sft-refresh/chain`): on a night when no source changed it is the data stage's Cached no-op
 and stops there. "Changed" means the dataset index differs from the one the last chained run trained on, which is
 recorded in `WORK_DIR/refresh.json` only after that run completed, so a chained run that failed is retried by the
-next refresh even though the data did not change again.
+next refresh even though the data did not change again. The work folder's lock is held from the data stage to that
+record, so a second refresh cannot slip in between the run's end and the record and train the same data again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.config import SFTConfig, resolve_config
 from sftflow.flows.data import sft_data
+from sftflow.flows.results import work_dir_lock
 from sftflow.flows.sft import SFTResult, sft
 from sftflow.tasks.core.atomic import write_atomic
 
@@ -49,6 +51,11 @@ def sft_refresh(
     `then="promote"`)."""
     cfg = resolve_config(config_path, config)
     work = Path(cfg.work_dir).resolve()
+    with work_dir_lock(work):
+        return _refresh(cfg, work, then)
+
+
+def _refresh(cfg: SFTConfig, work: Path, then: Literal["train", "promote"]) -> RefreshResult:
     logger = get_run_logger()
     data = sft_data(config=cfg)
     last = last_chained(work)

@@ -3,11 +3,13 @@ Cached data stage, and new records train again and go through the gate."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
 import pytest
 
+import sftflow.flows.refresh as refresh_module
 from sftflow.flows.config import SFTConfig
 from sftflow.flows.refresh import sft_refresh
 from sftflow.tasks.demo import write_demo
@@ -33,12 +35,33 @@ def _config(work: Path, data: Path, tokenizer: Path) -> SFTConfig:
     )
 
 
-def test_refresh_trains_and_promotes_only_when_the_data_changed(tmp_path):
+def _locked(path: Path) -> bool:
+    """Whether some open file holds `path`'s flock (a fresh descriptor conflicts even in the holder's process)."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def test_refresh_trains_and_promotes_only_when_the_data_changed(tmp_path, monkeypatch):
     demo = write_demo(tmp_path / "demo", n=160)
     lines = Path(demo["data"]).read_text().splitlines(keepends=True)
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(lines[:120]))
     cfg = _config(tmp_path / "work", source, demo["tokenizer"])
+    # The record of the chained run is written while the work folder is still locked: a refresh started after
+    # `sft` returned and before the record would otherwise train the same data again.
+    held_at_record = []
+    write = refresh_module.write_atomic
+
+    def record(path, text):
+        held_at_record.append(_locked(tmp_path / "work" / ".sftflow.lock"))
+        return write(path, text)
+
+    monkeypatch.setattr(refresh_module, "write_atomic", record)
 
     first = sft_refresh(config=cfg)
     assert first.changed and first.trained_on is None
@@ -58,6 +81,8 @@ def test_refresh_trains_and_promotes_only_when_the_data_changed(tmp_path):
     assert changed.run.promotion is not None and changed.run.promotion.candidate_sha256
     record = json.loads((tmp_path / "work" / "refresh.json").read_text())
     assert record == {"index_sha256": changed.index_sha256, "then": "promote"}
+    assert held_at_record == [True, True]
+    assert not _locked(tmp_path / "work" / ".sftflow.lock")
 
     # A chain that only trained leaves the gate to the next `then="promote"`, even on unchanged data.
     only_train = sft_refresh(config=cfg, then="train")
