@@ -76,15 +76,15 @@ def _tma(parts: dict) -> dict:
 _SPLIT_256 = _cfg(32, 128, 2, "row", 8, split=True)
 
 
-# TMA tiles everywhere but packed rows at D=256, where TMA was not timed against pointers.
+# Every tile through TMA descriptors: ahead of per-thread pointers at every shape timed (H100, benchmarks/RESULTS.md).
 CONFIGS = {
     (64, False): _tma({"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")}),
     (64, True): _tma({"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(64, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")}),
     (128, False): _tma({"fwd": _cfg(64, 64, 3, "row"), "dkdv": _cfg(32, 64, 3, "row"), "dq": _cfg(64, 32, 3, "row")}),
     (128, True): _tma({"fwd": _cfg(64, 64, 3, "lpt"), "dkdv": _cfg(32, 64, 3, "lpt"), "dq": _cfg(64, 32, 3, "lpt")}),
     # Gemma 3 (D=256): shallower tiles, so that K/V stages and the fp32 accumulators fit shared memory and registers
-    (256, False): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
-    (256, True): {"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)},
+    (256, False): _tma({"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)}),
+    (256, True): _tma({"fwd": _cfg(64, 32, 2, "row"), "dkdv": _SPLIT_256, "dq": _cfg(128, 32, 2, "row", 8)}),
 }
 # Rows whose longest document has at least LONG_DOC tokens: that document holds nearly all of the row's attention work
 # (an 8192-token document does 14x the work of 8192 tokens of 600-token ones) and few of its blocks are masked, so
