@@ -1,6 +1,6 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
-    python benchmarks/attention.py [--docs packed|long] [--sweep] [--out results.md]
+    python benchmarks/attention.py [--docs packed|long] [--sweep] [--rounds N] [--out results.md]
         [--variants triton triton-pack triton-pointers triton-tma triton-atomic triton-atomic-element torch flex]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
@@ -107,6 +107,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at every shape")
     parser.add_argument("--shapes", default=None, help="H,K,D[;H,K,D...]: only these shapes (default: all four)")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every variant this many times, in reverse order every other round, and report the median round: "
+        "drift in the GPU's clocks then lands on every variant alike",
+    )
     args = parser.parse_args()
     default_shapes = LONG_SHAPES if args.docs == "long" else SHAPES
     shapes = (
@@ -141,21 +148,31 @@ def main() -> None:
         check_name = "torch" if BACKENDS["torch"](q.device, q.dtype) is None else "sdpa"
         with torch.no_grad():
             ref = varlen_attention(q, k, v, cu, max_len, backend=check_name).float()
-        for name, fn in fns.items():
+        times: dict[str, list[tuple[float, float]]] = {}
+        errs: dict[str, float] = {}
+        for r in range(args.rounds):
+            for name, fn in list(fns.items())[:: -1 if r % 2 else 1]:
 
-            def fb(fn=fn):
-                return torch.autograd.grad(fn(q, k, v, cu, max_len), (q, k, v), do)
+                def fb(fn=fn):
+                    return torch.autograd.grad(fn(q, k, v, cu, max_len), (q, k, v), do)
 
-            try:
-                with torch.no_grad():
-                    o = fn(q, k, v, cu, max_len).float()
-                err = ((o - ref).norm() / ref.norm()).item()
-                ms_f = do_bench(lambda fn=fn: fn(q, k, v, cu, max_len), warmup=100, rep=500, return_mode="median")
-                ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
-            except OutOfResources as oor:  # a variant's tiles over this GPU's shared memory: the others still run
-                print(f"({H}, {K}, {D}) {name}: skipped, {oor}", flush=True)
-                continue
-            rows.append((H, K, D, name, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, err))
+                try:
+                    with torch.no_grad():
+                        o = fn(q, k, v, cu, max_len).float()
+                    errs[name] = ((o - ref).norm() / ref.norm()).item()
+                    ms_f = do_bench(lambda fn=fn: fn(q, k, v, cu, max_len), warmup=100, rep=500, return_mode="median")
+                    ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
+                except OutOfResources as oor:  # a variant's tiles over this GPU's shared memory: the others still run
+                    print(f"({H}, {K}, {D}) {name}: skipped, {oor}", flush=True)
+                    del fns[name]
+                    continue
+                times.setdefault(name, []).append((ms_f, ms_fb))
+                if args.rounds > 1:
+                    print(f"({H}, {K}, {D}) {name} round {r}: fwd {ms_f:.3f} ms, fwd+bwd {ms_fb:.3f} ms", flush=True)
+        for name in fns:
+            ms_f = float(np.median([t[0] for t in times[name]]))
+            ms_fb = float(np.median([t[1] for t in times[name]]))
+            rows.append((H, K, D, name, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, errs[name]))
             print(rows[-1], flush=True)
         if args.sweep:
             sweep(q, k, v, do, cu, max_len, D, fwd_flops)
