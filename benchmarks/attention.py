@@ -1,7 +1,7 @@
 """Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
 
     python benchmarks/attention.py [--docs packed|long] [--sweep] [--rounds N] [--out results.md]
-        [--variants triton triton-pack triton-pointers triton-tma triton-atomic triton-atomic-element torch flex]
+        [--variants triton triton-pack triton-pointers triton-tma torch flex]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -15,9 +15,7 @@ Useful FLOPs: forward sum over documents of 2*L^2*H*D (QK^T and PV over the caus
 the group's query heads stacked as the rows of every query tile, in the dK/dV loop too), on the default tiles; at
 K = H it is the same as `triton`. `triton-pointers`: the default tiles loaded and stored through per-thread pointers and
 masks instead of TMA tensor descriptors (`TMA` off: the path GPUs before Hopper take); `triton-tma`: TMA on in every
-kernel (as the shipped configs have it). `triton-atomic`: dQ added
-by the dK/dV kernel (a TMA bulk reduction a tile where the tiles go through TMA), no dQ kernel (slower on an H100);
-`triton-atomic-element`: the same with that kernel's tiles through pointers and dQ by element atomics.
+kernel (as the shipped configs have it).
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -45,8 +43,6 @@ FLAG_VARIANTS = {
     "triton-pack": {part: {"PACK": True} for part in _EVERY},
     "triton-pointers": {part: {"TMA": False} for part in _EVERY},
     "triton-tma": {part: {"TMA": True} for part in _EVERY},
-    "triton-atomic": {"dkdv": {"ATOMIC_DQ": True}},
-    "triton-atomic-element": {"dkdv": {"ATOMIC_DQ": True, "TMA": False}},
 }
 DOCS = {  # name: (default T, lognormal median, sigma, shortest, longest)
     "packed": (16384, 600, 1.0, 16, 4096),
@@ -208,10 +204,6 @@ PACK_GRID = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), 
 # Packed dK/dV tiles that compile for sm_90 without spilling at D=128 and group 4 (python -m sftflow.kernels.aot with
 # triton 3.6); a fifth field splits the dV and dK passes.
 PACK_DKDV_GRID = [(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3, True)]
-# dK/dV tiles with dQ added by the kernel. At D=256 (split passes) the shipped 32x128 dK pass then needs 237,840 bytes
-# of shared memory, over sm_90's 232,448; these fit (python -m sftflow.kernels.aot, triton 3.6).
-ATOMIC_GRID = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
-ATOMIC_GRID_256 = [(16, 128, 8, 2), (32, 128, 8, 1), (32, 64, 8, 2)]
 
 
 def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
@@ -330,12 +322,6 @@ def sweep(q, k, v, do, cu, max_len, D, fwd_flops):
     for part in grids:  # TMA (the copy engine moves the tiles) against pointers
         trials = [current[part], {**current[part], "TMA": not current[part].get("TMA", False)}]
         choose(part, trials)
-    # dQ added by the dK/dV kernel (no dQ kernel): its traffic per block product falls with deeper key tiles
-    trials = [current["dkdv"]] + [
-        {**current["dkdv"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "ATOMIC_DQ": True}
-        for bm, bn, w, st in (ATOMIC_GRID if D <= 128 else ATOMIC_GRID_256)
-    ]
-    choose("dkdv", trials)
     if H != K:  # GQA: query tiles with the group's heads packed as rows, which favours deeper row tiles
         for part in ("fwd", "dq"):
             trials = [current[part]] + [

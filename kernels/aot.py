@@ -109,10 +109,6 @@ def compile_attention(D: int, group: int, config: dict, capability: int = 90) ->
             for name in tensors:
                 rows = cfg["BLOCK_M"] if name in ("q_ptr", "o_ptr", "do_ptr", "dq_ptr") else cfg["BLOCK_N"]
                 kinds[name] = f"tensordesc<bf16[{rows}, {D}]>"
-        if part == "dkdv":  # dQ added by this kernel: bulk reductions through TMA, else element atomics
-            atomic = bool(cfg.pop("ATOMIC_DQ", False))
-            cfg["ATOMIC_DQ"] = (2 if cfg["TMA"] else 1) if atomic else 0
-            kinds["dqa_ptr"] = f"tensordesc<fp32[{cfg['BLOCK_M']}, {D}]>" if cfg["ATOMIC_DQ"] == 2 else "*fp32"
         return kinds, {**common, **cfg}, warps, stages
 
     out = []

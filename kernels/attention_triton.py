@@ -345,9 +345,6 @@ def _bwd_dkdv_kernel(
     stride_dkh,
     stride_dvt,
     stride_dvh,
-    dqa_ptr,
-    stride_dqat,
-    stride_dqah,
     T,
     D,
     K,
@@ -363,16 +360,11 @@ def _bwd_dkdv_kernel(
     PART: tl.constexpr = 0,
     PACK: tl.constexpr = False,
     TMA: tl.constexpr = False,
-    ATOMIC_DQ: tl.constexpr = 0,
 ):
     # PART 0 computes dK and dV; 1 only dV and 2 only dK (a split pass: one fp32 accumulator per program instead of
     # two, so wide heads get deeper key tiles, for the recomputed scores of a second pass). PACK: each query tile is
     # BLOCK_M // GROUP positions of all the group's heads (as the packed query kernels' rows): one loop, not one per
-    # head. ATOMIC_DQ: the pass that computes dK also adds each query tile's share of dQ, dS K, into the fp32
-    # `dqa_ptr`, so the scores and dP are computed once for all three gradients (5 block products instead of the 7 that
-    # the dQ kernel's recompute costs); 1 with a relaxed atomic add per element, 2 with one bulk reduction a tile
-    # through a TMA descriptor (the copy engine adds it in L2; the warps go on). Either way the order of the additions
-    # varies from run to run.
+    # head.
     pid = tl.program_id(0)
     kh = pid % K
     n0 = tl.load(order_ptr + pid // K) * BLOCK_N
@@ -417,20 +409,6 @@ def _bwd_dkdv_kernel(
                 dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
                 dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-                if ATOMIC_DQ != 0:
-                    dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale
-                    if ATOMIC_DQ == 2:
-                        dqa_ptr.atomic_add([m0, h * stride_dqah], dq)
-                    else:
-                        tl.atomic_add(
-                            dqa_ptr
-                            + offs_m[:, None] * stride_dqat
-                            + _head_offset(h, stride_dqah, PACK)
-                            + offs_d[None, :],
-                            dq,
-                            mask=(offs_m < T)[:, None] & d_ok[None, :],
-                            sem="relaxed",
-                        )
     kd_mask = (offs_n < T)[:, None] & d_ok[None, :]
     if PART != 1:
         if TMA:
@@ -687,17 +665,10 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
     grid_q, blocks_q, cfg_q = _query_launch(config["dq"], T, H, H // K, layout, window)
     common = dict(GROUP=H // K, BLOCK_D=block_d, EVEN_D=block_d == D, PRECISION=_precision(q.dtype))
     strides_in = _row_head_strides(q, k, v, do)
-    # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART). ATOMIC_DQ: dQ accumulates in fp32 in the
-    # pass that computes dK, and no dQ kernel runs, except where torch is asked for deterministic algorithms.
+    # SPLIT: dV, then dK, each in its own pass (`_bwd_dkdv_kernel`'s PART).
     split = cfg_kv.pop("SPLIT", False)
-    atomic = cfg_kv.pop("ATOMIC_DQ", False) and not torch.are_deterministic_algorithms_enabled()
     m, n = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
     kv_args = _with_tma(cfg_kv, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dk=(dk, n), dv=(dv, n)))
-    # dQ: an fp32 sum the dK/dV kernel adds into, or the dQ kernel's output (its pointer then goes unused here)
-    dq = torch.zeros((T, H, D), dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
-    # Bulk reductions where the tiles go through TMA on a GPU (the CPU interpreter has none: element atomics there).
-    bulk = atomic and cfg_kv["TMA"] and q.device.type == "cuda"
-    cfg_kv["ATOMIC_DQ"] = 2 if bulk else int(atomic)
     for part in (1, 2) if split else (0,):
         _bwd_dkdv_kernel[(triton.cdiv(T, cfg_kv["BLOCK_N"]) * K,)](
             *kv_args.values(),
@@ -711,9 +682,6 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             dk.stride(1),
             dv.stride(0),
             dv.stride(1),
-            _descriptor(dq, m) if bulk else dq,
-            dq.stride(0),
-            dq.stride(1),
             T,
             D,
             K,
@@ -724,8 +692,7 @@ def _attention_backward(do, q, k, v, o, lse, layout: RowLayout, scale: float, co
             **cfg_kv,
             PART=part,
         )
-    if atomic:
-        return dq.to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
     m, n = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]
     q_args = _with_tma(cfg_q, dict(q=(q, m), k=(k, n), v=(v, n), do=(do, m), dq=(dq, m)))
     _bwd_dq_kernel[grid_q](
@@ -870,7 +837,7 @@ def triton_varlen_attention(
 
     `config` overrides, for tuning, parts of the per-shape defaults (`resolve_config`): {"fwd" | "dkdv" | "dq":
     {BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER, PACK, TMA}}, each part partial; "dkdv" also takes SPLIT (dV and
-    dK in two passes) and ATOMIC_DQ (dQ added by that kernel, no dQ kernel).
+    dK in two passes).
     """
     T, H, D = q_THD.shape
     if q_THD.numel() >= 2**31 or k_TKD.numel() >= 2**31:

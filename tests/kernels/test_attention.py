@@ -121,9 +121,8 @@ def test_a_window_changes_the_output_only_where_it_cuts():
 # inside it, and masked blocks on the diagonal and the end.
 # "split" runs dV and dK as two passes of the key-block kernel.
 # "pack" stacks a GQA group's query heads as the rows of one query tile (forward and dQ programs, dK/dV query tiles);
-# "tma" moves every tile through tensor descriptors (the interpreter emulates them);
-# "atomic" adds dQ from the key-block kernel (element atomics here: the interpreter has no bulk reductions).
-def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False, tma=False, atomic=False):
+# "tma" moves every tile through tensor descriptors (the interpreter emulates them).
+def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False, tma=False):
     fwd = {
         "BLOCK_M": fwd_m,
         "BLOCK_N": fwd_n,
@@ -133,7 +132,7 @@ def _tiles(fwd_m, fwd_n, kv_m, kv_n, order, split=False, pack=False, tma=False, 
         "PACK": pack,
         "TMA": tma,
     }
-    dkdv = {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split, "ATOMIC_DQ": atomic}
+    dkdv = {**fwd, "BLOCK_M": kv_m, "BLOCK_N": kv_n, "SPLIT": split}
     return {"fwd": fwd, "dkdv": dkdv, "dq": fwd}
 
 
@@ -148,12 +147,9 @@ TILES = {
     "m32_n16_lpt_split_pack": _tiles(32, 16, 16, 32, "lpt", split=True, pack=True),
     "m32_n16_lpt_tma": _tiles(32, 16, 16, 32, "lpt", tma=True),
     "m16_n32_row_split_tma": _tiles(16, 32, 32, 16, "row", split=True, tma=True),
-    "m16_n32_row_atomic": _tiles(16, 32, 32, 16, "row", atomic=True),
-    "m32_n16_lpt_split_tma_atomic": _tiles(32, 16, 16, 32, "lpt", split=True, tma=True, atomic=True),
-    "m32_n16_lpt_pack_atomic": _tiles(32, 16, 16, 32, "lpt", pack=True, atomic=True),
 }
-PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack", "m32_n16_lpt_split_pack", "m32_n16_lpt_pack_atomic"]
-TMA = ["m32_n16_lpt_tma", "m16_n32_row_split_tma", "m32_n16_lpt_split_tma_atomic"]
+PACKED = ["m32_n16_lpt_pack", "m16_n32_row_pack", "m32_n16_lpt_split_pack"]
+TMA = ["m32_n16_lpt_tma", "m16_n32_row_split_tma"]
 
 
 def _tile_cases():
@@ -177,30 +173,6 @@ def test_triton_tile_shapes_and_program_orders(tiles, H, K, D, device):
     q, k, v, cu = make_inputs(doc_lengths, H, K, D, device, seed=D)
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, config=TILES[tiles])
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-5)
-
-
-@needs_triton
-def test_atomic_dq_gives_way_to_the_dq_kernel_under_deterministic_algorithms(device):
-    """Atomic adds make dQ's order of additions vary between runs; with torch's deterministic algorithms on, the
-    separate dQ kernel runs instead, bit for bit the same as a config without atomics."""
-    from sftflow.kernels.attention_triton import triton_varlen_attention
-
-    doc_lengths = [3, 70, 1, 40]
-    q, k, v, cu = make_inputs(doc_lengths, 4, 2, 16, device, seed=3)
-    do = torch.randn_like(q)
-
-    def dq(atomic: bool) -> torch.Tensor:
-        o = triton_varlen_attention(q, k, v, cu, 70, 0.25, config=_tiles(32, 16, 16, 32, "row", atomic=atomic))
-        return torch.autograd.grad(o, q, do)[0]
-
-    plain, atomic = dq(False), dq(True)
-    assert rel_err(atomic, plain) <= 1e-5
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.equal(dq(True), plain)
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 @needs_triton
@@ -285,26 +257,6 @@ def test_triton_bf16_on_gpu(D, group, window):
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     o = varlen_attention(q, k, v, cu, max(doc_lengths), window=window, backend="triton")
-    assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("window", [None, 300])
-@pytest.mark.parametrize("tiles", ["packed", "long", "pointers"])
-def test_atomic_dq_bf16_on_gpu(D, group, window, tiles):
-    """dQ added by the dK/dV kernel: one TMA bulk reduction a tile with the shipped (TMA) tiles, element atomics with
-    the pointer tiles."""
-    from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, triton_varlen_attention
-
-    doc_lengths = [700, 1, 129, 64, 2000, 37]
-    H = 8
-    q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
-    config = (CONFIGS_LONG if tiles == "long" else CONFIGS)[(D, group > 1)]
-    config = {part: {**cfg, **({"TMA": False} if tiles == "pointers" else {})} for part, cfg in config.items()}
-    config["dkdv"] = {**config["dkdv"], "ATOMIC_DQ": True}
-    o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 
 
