@@ -76,6 +76,7 @@ from sftflow.tasks.train.model import (
     layer_windows,
     model_batch,
 )
+from sftflow.tasks.train.oom import MemoryPicture, MemoryWatch
 from sftflow.tasks.train.quantize import base_tensor_of, quantize_base
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
@@ -402,6 +403,7 @@ class Run:
     source_tokens: tuple[list[str], object] | None = None  # per-step trained targets by data source, if several
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
     span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
+    memory: MemoryPicture | None = None  # what was chosen for the memory, for a report should it run out anyway
 
 
 def build_run(run_dir: Path) -> Run:
@@ -523,6 +525,12 @@ def build_run(run_dir: Path) -> Run:
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
         tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
         span=AttentionSpan.of(layer_windows(lm.config)),
+        memory=MemoryPicture(
+            model_config=lm.config, tokens_per_rank=plan.tokens_per_rank, parallel=parallel,
+            world_size=env.world_size, checkpointing=checkpointing, offload=offload, compiled=compiled, budget=budget,
+            state_bytes=state, free_bytes=free, optimizer_in_backward=config.optimizer_in_backward,
+            optimizer_offload=config.optimizer_offload, lora=config.lora is not None,
+        ),
     )  # fmt: skip
 
 
@@ -559,10 +567,19 @@ def step_source_tokens(run: Run, step: int) -> dict[str, int] | None:
 
 
 def train(run_dir: Path) -> None:
-    run = build_run(run_dir)
+    # An allocation that fails anywhere below is reported with where it happened and what would leave more room.
+    watch = MemoryWatch(rank=int(os.environ.get("RANK", "0")))
+    with watch:
+        run = build_run(run_dir)
+        watch.device, watch.picture = str(run.env.device), run.memory
+        _train(run, watch)
+
+
+def _train(run: Run, watch: MemoryWatch) -> None:
     plan, progress, config = run.plan, run.progress, run.config
     nonfinite_in_a_row = 0
     for step in range(progress.step, run.total_steps):
+        watch.where = f"in step {step + 1}"
         t0 = time.perf_counter()
         step_loss_tokens = int(plan.step_loss_tokens[step])
         totals = step_totals(run, step, step_loss_tokens)
@@ -606,10 +623,13 @@ def train(run_dir: Path) -> None:
             breakdown=run.breakdown.report(totals.cells) if run.breakdown is not None and totals is not None else None,
         )
         if run.checkpointer.due(progress.step):
+            watch.where = f"saving the checkpoint of step {progress.step}"
             run.checkpointer.save(progress.step)
     if run.checkpointer.due(progress.step, last=True):
+        watch.where = f"saving the checkpoint of step {progress.step}"
         run.checkpointer.save(progress.step)
     if config.export:
+        watch.where = "exporting the model"
         export_run(run)
     if run.env.device.type == "cuda" and run.env.is_main:
         print(f"[train] peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
@@ -659,8 +679,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(run_dir)
     except ValueError as err:
-        # Bad input found inside a worker (data that does not match its plan, ...): the launcher reports this one
-        # line instead of torchrun's traceback. The first rank to fail writes it.
+        # Bad input found inside a worker (data that does not match its plan, ...), or rows that do not fit the
+        # device (`OutOfMemory`): the launcher reports this one line instead of torchrun's traceback, and no retry
+        # meets anything else. The first rank to fail writes it.
         try:
             with open(run_dir / USER_ERROR, "x") as f:
                 f.write(str(err).splitlines()[0] if str(err) else type(err).__name__)

@@ -293,3 +293,20 @@ def test_bad_input_found_inside_a_worker_is_one_located_error_not_a_traceback(ba
     other_data = write_mock_index(mock_config(vocab_size, seed=5), root / "other-data")
     with pytest.raises(ValueError, match=r"plan.npz: step 0 plans \d+ trained tokens but its batches hold \d+"):
         run(config, root / "mismatch", max_steps=2, data=str(other_data))
+
+
+def test_a_model_that_does_not_fit_is_one_report_and_not_retried(base):
+    """A run whose model cannot be allocated (a hidden size of 2**27: the embedding alone asks ~150 GiB of host
+    memory, refused at once) ends with the worker's report, where it ran out and what would leave room, raised as
+    a `ValueError`, which the train stage does not retry: the same settings would run out again."""
+    from prefect.states import Failed
+
+    from sftflow.tasks.core.caching import retry_unless_bad_input
+
+    root, config = base
+    report = r"^out of host memory on rank 0 while building the model: you tried to allocate"
+    with pytest.raises(ValueError, match=report) as err:
+        run(config, root / "too-big", max_steps=1, model_overrides={"hidden_size": 2**27})
+    assert "train.lora" in str(err.value)
+    state = Failed(data=err.value)
+    assert retry_unless_bad_input(None, None, state) is False
