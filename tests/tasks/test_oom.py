@@ -3,6 +3,8 @@ room), from real allocation failures where this machine can make them (the CPU a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -99,3 +101,18 @@ def test_the_watch_turns_a_real_allocation_failure_into_a_located_report():
     with pytest.raises(KeyError):  # anything else goes through as it was
         with watch:
             raise KeyError("x")
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_allocation_failure_is_reported_with_torchs_sizes():
+    """The report reads torch's own CUDA message: what was asked for and what the GPU had."""
+    watch = MemoryWatch(rank=0, device="cuda:0")
+    watch.where, watch.picture = "in step 1", _picture()
+    with pytest.raises(OutOfMemory) as caught:
+        with watch:
+            torch.empty(2**45, dtype=torch.uint8, device="cuda")  # 32 TiB
+    line = str(caught.value)
+    assert re.match(
+        r"out of GPU memory on rank 0 \(cuda:0\) in step 1: Tried to allocate [\d.]+ [KMGT]iB; GPU 0 has", line
+    )
+    assert "of which" in line and "is free" in line and "More room: " in line
