@@ -79,6 +79,14 @@ def _torch_says(err: BaseException) -> str:
     device = re.search(r"GPU \d+ has a total capacity of .*? is free\.", text)
     cpu = re.search(r"you tried to allocate \d+ bytes", text)
     parts = [m.group(0).rstrip(".") for m in (asked, device, cpu) if m is not None]
+    # Memory the caching allocator holds in blocks too small for the request: fragmentation, which torch's
+    # expandable segments avoid (rows of varying length make it likelier).
+    idle = re.search(r"([\d.]+) (\w+) is reserved by PyTorch but unallocated", text)
+    if idle is not None and idle.group(2) in ("GiB", "TiB") and float(idle.group(1)) >= 1:
+        parts.append(
+            f"{idle.group(1)} {idle.group(2)} reserved but unallocated (fragmentation: set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+        )
     return "; ".join(parts) if parts else text[:200]
 
 

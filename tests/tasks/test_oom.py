@@ -56,6 +56,12 @@ def test_a_gpu_report_gives_torchs_sizes_the_estimate_and_what_leaves_more_room(
     assert "\n" not in line  # the launcher and the CLI show one line
     assert line.startswith("out of GPU memory on rank 1 (cuda:1) in step 12: Tried to allocate 2.00 GiB")
     assert "GPU 0 has a total capacity of 79.19 GiB of which 1.03 GiB is free" in line
+    assert (
+        "1.50 GiB reserved but unallocated (fragmentation: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+        in line
+    )
+    small = CUDA_MESSAGE.replace("1.50 GiB is reserved", "20.00 MiB is reserved")
+    assert "fragmentation" not in report(torch.OutOfMemoryError(small), 1, "cuda:1", "in step 12", _picture())
     assert "Rows of 65,536 tokens, activation checkpointing off, single path on 1 process(es)" in line
     assert "17.3 GiB of weights and optimizer state" in line and "against 71.1 GiB usable of 79.0 free" in line
     # the longest row full checkpointing fits in this memory, from the same estimate `auto` uses
