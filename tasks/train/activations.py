@@ -134,13 +134,19 @@ def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_s
     return (16.0 * trained_params + frozen_bytes) / world_size + unsharded
 
 
+def peak_bytes(
+    config, mode: str | int, row_tokens: int, state: float, offload: bool = False, budget: float = 1.0
+) -> float:
+    """The estimated device peak of a step on a `row_tokens` row: `state`, the activations it keeps with
+    checkpointing `mode` (and the compiled layers' memory `budget`), and the overhead."""
+    return state + row_tokens * activation_bytes_per_token(config, mode, offload, budget) + OVERHEAD_BYTES
+
+
 def fits(
     config, mode: str | int, row_tokens: int, state: float, free_bytes: int, offload: bool = False, budget: float = 1.0
 ) -> bool:
-    """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` with checkpointing `mode` (and the
-    compiled layers' memory `budget`)."""
-    need = state + row_tokens * activation_bytes_per_token(config, mode, offload, budget) + OVERHEAD_BYTES
-    return need <= USABLE_FRACTION * free_bytes
+    """Whether a `row_tokens` row likely fits in `free_bytes` beside `state` (`peak_bytes`)."""
+    return peak_bytes(config, mode, row_tokens, state, offload, budget) <= USABLE_FRACTION * free_bytes
 
 
 def max_row_tokens(

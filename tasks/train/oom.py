@@ -15,12 +15,11 @@ import torch
 from sftflow.tasks.train.activations import (
     OVERHEAD_BYTES,
     USABLE_FRACTION,
-    activation_bytes_per_token,
     checkpointing_label,
     max_row_tokens,
+    peak_bytes,
 )
-
-GIB = 2**30
+from sftflow.tasks.train.capacity import GIB
 
 
 class OutOfMemory(ValueError):
@@ -124,12 +123,12 @@ def report(err: BaseException, rank: int, device: str | None, where: str, p: Mem
         )
     config = p.model_config
     label = checkpointing_label(p.checkpointing, config.num_hidden_layers)
-    per_token = activation_bytes_per_token(config, p.checkpointing, p.offload, p.budget)
-    need = p.state_bytes + p.tokens_per_rank * per_token + OVERHEAD_BYTES
+    need = peak_bytes(config, p.checkpointing, p.tokens_per_rank, p.state_bytes, p.offload, p.budget)
+    activations = need - p.state_bytes - OVERHEAD_BYTES
     line += (
         f". Rows of {p.tokens_per_rank:,} tokens, activation checkpointing {label}, {p.parallel} path on "
         f"{p.world_size} process(es); sftflow's estimate: {p.state_bytes / GIB:.1f} GiB of weights and optimizer "
-        f"state + {p.tokens_per_rank * per_token / GIB:.1f} GiB of activations + {OVERHEAD_BYTES / GIB:.0f} GiB "
+        f"state + {activations / GIB:.1f} GiB of activations + {OVERHEAD_BYTES / GIB:.0f} GiB "
         f"overhead = {need / GIB:.1f} GiB"
     )
     if p.free_bytes is not None:
