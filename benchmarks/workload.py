@@ -78,6 +78,7 @@ def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
         raise SystemExit(f"{metrics}: no steps after the {warmup} warm-up steps")
     chosen = re.findall(r"activation checkpointing auto: (.+?) for rows", log)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+    reserved = [r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {
         "steps": len(records),
@@ -88,6 +89,7 @@ def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
         "train_command_wall_s": round(wall_s, 1),
         "mfu_median": round(statistics.median(mfus), 4) if mfus else None,
         "peak_memory_gib": round(max(peaks), 1) if peaks else None,
+        "peak_reserved_gib": round(max(reserved), 1) if reserved else None,
         "activation_checkpointing_auto": chosen[0] if chosen else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }

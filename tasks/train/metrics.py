@@ -109,6 +109,7 @@ class MetricsLogger:
         seconds: float,
         skipped: str | None = None,
         peak_memory_gib: float | None = None,
+        peak_reserved_gib: float | None = None,
         trained_tokens_by_source: dict[str, int] | None = None,
         breakdown: dict[str, dict[str, dict]] | None = None,
     ) -> dict:
@@ -134,6 +135,7 @@ class MetricsLogger:
             "eta_s": ema_step_time * (self.total_steps - step),
             "skipped": skipped,
             "peak_memory_gib": peak_memory_gib,
+            "peak_reserved_gib": peak_reserved_gib,
         }
         if trained_tokens_by_source is not None:
             record["trained_tokens_by_source"] = trained_tokens_by_source

@@ -619,6 +619,8 @@ def _train(run: Run, watch: MemoryWatch) -> None:
             seconds=time.perf_counter() - t0,
             skipped=skipped,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if run.env.device.type == "cuda" else None,
+            # What the caching allocator holds: above the allocated peak by what fragmentation strands.
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if run.env.device.type == "cuda" else None,
             trained_tokens_by_source=step_source_tokens(run, step),
             breakdown=run.breakdown.report(totals.cells) if run.breakdown is not None and totals is not None else None,
         )
@@ -632,7 +634,8 @@ def _train(run: Run, watch: MemoryWatch) -> None:
         watch.where = "exporting the model"
         export_run(run)
     if run.env.device.type == "cuda" and run.env.is_main:
-        print(f"[train] peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        allocated, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+        print(f"[train] peak memory {allocated:.2f} GiB ({reserved:.2f} GiB reserved)", flush=True)
     dist.destroy_process_group()
 
 
