@@ -218,6 +218,10 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# torch reads its allocator settings from either name (PYTORCH_ALLOC_CONF is the newer one).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def _worker_env(config: TrainConfig) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
@@ -230,6 +234,12 @@ def _worker_env(config: TrainConfig) -> dict:
         # step's ~1000 small parallel regions while its partner waits for a core, so the demo ran 30x slower for a
         # 2x smaller share of the CPU. Sleeping threads give up the core instead, and the step slows in proportion.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    elif not any(name in env for name in ALLOC_CONF_VARS):
+        # Packed rows differ in length and documents in count, so the caching allocator's fixed-size segments strand
+        # memory between steps; segments that grow in place do not. On an H100 (1B, 64k-token rows) the default
+        # allocator reserved 77.5 GiB for a 57.2 GiB peak, expandable segments 57.8, at the same tokens/s
+        # (benchmarks/RESULTS.md). A setting the user made, under either of torch's names, is kept.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
 
 

@@ -7,6 +7,7 @@ A retry would train the same rows with the same settings and run out again, so t
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from sftflow.tasks.train.activations import (
     peak_bytes,
 )
 from sftflow.tasks.train.capacity import GIB
+from sftflow.tasks.train.launch import ALLOC_CONF_VARS
 
 
 class OutOfMemory(ValueError):
@@ -71,6 +73,13 @@ def is_out_of_memory(err: BaseException) -> bool:
     )
 
 
+def expandable_segments() -> bool:
+    """Whether this process's CUDA allocator grows segments in place (the launcher's default; a user may turn it
+    off through either of torch's variables)."""
+    settings = ",".join(os.environ.get(name, "") for name in ALLOC_CONF_VARS).replace(" ", "").lower()
+    return "expandable_segments:true" in settings
+
+
 def _torch_says(err: BaseException) -> str:
     """The part of torch's message that sizes the failure: what was asked for and what the device had."""
     text = " ".join(str(err).split())
@@ -82,10 +91,11 @@ def _torch_says(err: BaseException) -> str:
     # expandable segments avoid (rows of varying length make it likelier).
     idle = re.search(r"([\d.]+) (\w+) is reserved by PyTorch but unallocated", text)
     if idle is not None and idle.group(2) in ("GiB", "TiB") and float(idle.group(1)) >= 1:
-        parts.append(
-            f"{idle.group(1)} {idle.group(2)} reserved but unallocated (fragmentation: set "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
-        )
+        held = f"{idle.group(1)} {idle.group(2)} reserved but unallocated"
+        if expandable_segments():
+            parts.append(f"{held} (fragmentation, with expandable segments already on)")
+        else:
+            parts.append(f"{held} (fragmentation: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     return "; ".join(parts) if parts else text[:200]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sftflow.tasks.tiny import tiny_llama_config
+from sftflow.tasks.train.launch import ALLOC_CONF_VARS
 from sftflow.tasks.train.oom import MemoryPicture, MemoryWatch, OutOfMemory, is_out_of_memory, more_room, report
 
 GIB = 2**30
@@ -51,7 +52,9 @@ def test_allocation_failures_are_told_from_other_errors():
     assert not is_out_of_memory(ValueError("can't allocate memory"))
 
 
-def test_a_gpu_report_gives_torchs_sizes_the_estimate_and_what_leaves_more_room():
+def test_a_gpu_report_gives_torchs_sizes_the_estimate_and_what_leaves_more_room(monkeypatch):
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
     line = report(torch.OutOfMemoryError(CUDA_MESSAGE), 1, "cuda:1", "in step 12", _picture())
     assert "\n" not in line  # the launcher and the CLI show one line
     assert line.startswith("out of GPU memory on rank 1 (cuda:1) in step 12: Tried to allocate 2.00 GiB")
@@ -76,6 +79,11 @@ def test_a_gpu_report_gives_torchs_sizes_the_estimate_and_what_leaves_more_room(
     ):
         assert option in line, option
     assert "activation_offload" not in line  # nothing is checkpointed, so nothing would be offloaded
+    # Under the launcher's default (or the user's own setting) the pointer would be advice already taken.
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
+    on = report(torch.OutOfMemoryError(CUDA_MESSAGE), 1, "cuda:1", "in step 12", _picture())
+    assert "1.50 GiB reserved but unallocated (fragmentation, with expandable segments already on)" in on
+    assert "set PYTORCH_CUDA_ALLOC_CONF" not in on
 
 
 def test_the_options_leave_out_what_the_run_already_has():

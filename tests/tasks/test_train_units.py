@@ -295,6 +295,25 @@ def test_cpu_workers_sleep_rather_than_spin_unless_told(monkeypatch):
     assert _worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_gpu_workers_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    """A GPU run's caching allocator grows segments in place (packed rows of varying length strand memory in fixed
+    segments); a setting the user made under either of torch's names is kept, and a CPU run is left alone."""
+    from sftflow.tasks.train.launch import ALLOC_CONF_VARS, _worker_env
+
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    gpu = _config(device="cuda", num_threads=2)
+    env = _worker_env(gpu)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PYTORCH_ALLOC_CONF" not in env
+    assert not set(ALLOC_CONF_VARS) & set(_worker_env(gpu.model_copy(update={"device": "cpu"})))
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.setenv(name, "expandable_segments:False")
+        env = _worker_env(gpu)
+        assert env[name] == "expandable_segments:False"
+        assert set(ALLOC_CONF_VARS) & set(env) == {name}
+        monkeypatch.delenv(name)
+
+
 def test_worker_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     """Without a thread count anywhere, each worker gets its share of the CPUs in the process's affinity mask (a
     container's limit), not of the host's cores."""
