@@ -66,9 +66,14 @@ def _cfg(block_m: int, block_n: int, stages: int, order: str, warps: int = 4, sp
     return {**cfg, "SPLIT": True} if split else cfg
 
 
+def with_flags(parts: dict, **flags) -> dict:
+    """A kernel set's configs with `flags` set in every part (`TMA=False`: the tiles through per-thread pointers)."""
+    return {part: {**cfg, **flags} for part, cfg in parts.items()}
+
+
 def _tma(parts: dict) -> dict:
     """A kernel set's configs with their tiles moved through TMA descriptors."""
-    return {part: {**cfg, "TMA": True} for part, cfg in parts.items()}
+    return with_flags(parts, TMA=True)
 
 
 # D=256 dK/dV in two passes (dV, then dK), each with one 128-key fp32 accumulator: 1.24x the single pass with two

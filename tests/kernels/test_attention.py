@@ -304,13 +304,13 @@ def test_triton_packed_gqa_programs_bf16_on_gpu(D, group, window):
 def test_triton_pointer_tiles_bf16_on_gpu(D, group, window, long_tiles):
     """Every tile through per-thread pointers and masks instead of the shipped TMA descriptors (the path of tensors
     that descriptors cannot cover, and of GPUs before Hopper), on the packed-row and the long-document tiles."""
-    from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, triton_varlen_attention
+    from sftflow.kernels.attention_triton import CONFIGS, CONFIGS_LONG, triton_varlen_attention, with_flags
 
     doc_lengths = [700, 1, 129, 64, 2000, 37]
     H = 8
     q, k, v, cu = make_inputs(doc_lengths, H, H // group, D, "cuda", dtype=torch.bfloat16, seed=D + group)
     base = (CONFIGS_LONG if long_tiles else CONFIGS)[(D, group > 1)]
-    config = {part: {**cfg, "TMA": False} for part, cfg in base.items()}
+    config = with_flags(base, TMA=False)
     o = triton_varlen_attention(q, k, v, cu, max(doc_lengths), D**-0.5, window, config=config)
     assert_matches_fp64(o, q, k, v, doc_lengths, D**-0.5, tol=1e-2, window=window)
 

@@ -38,11 +38,10 @@ def _pointer_cases() -> list[dict]:
     """Every shipped config with its tiles through pointers instead of TMA descriptors (tensors that descriptors cannot
     cover, GPUs before Hopper)."""
     from sftflow.kernels.aot import shipped_cases
+    from sftflow.kernels.attention_triton import with_flags
 
     return [
-        dict(
-            case, label=f"{case['label']} pointers", config={p: {**c, "TMA": False} for p, c in case["config"].items()}
-        )
+        dict(case, label=f"{case['label']} pointers", config=with_flags(case["config"], TMA=False))
         for case in shipped_cases()
     ]
 
