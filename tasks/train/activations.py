@@ -11,7 +11,8 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 - a number N: N decoder layers, spread evenly over the stack;
 - `activation_offload` (with selective or full): the inputs the checkpointed layers keep wait in pinned host memory,
   so full checkpointing keeps only the layer being recomputed (and the next one's input) on the device, for two
-  copies of each layer's input over the host link per step, on a side stream that overlaps the compute;
+  copies of each layer's input over the host link per step, on a side stream that overlaps the compute; its `auto`
+  turns it on where the rows would not fit without it and the host has the room (`resolve_activation_offload`);
 - `auto`: off on a CPU; on a GPU, the fewest checkpointed layers (none, some, or all) whose estimated peak for a
   planned row fits in the memory the device has free (`choose_checkpointing`), so only as much of the step is
   recomputed as the memory asks for. The estimate is the weights, masters, moments and
@@ -171,6 +172,58 @@ def choose_checkpointing(
         if fits(config, count, row_tokens, state, free_bytes, offload, budget):
             return count
     return layers
+
+
+def offloaded_bytes(config, checkpointed: int, row_tokens: int) -> int:
+    """Pinned host bytes `activation_offload` holds on one rank: each checkpointed layer's bf16 input of a row, in
+    blocks of a power of two (torch's pinned-memory cache rounds each allocation up to one)."""
+    one = row_tokens * config.hidden_size * 2
+    return checkpointed * (1 << max(one - 1, 0).bit_length())
+
+
+def resolve_activation_offload(
+    setting: str | bool,
+    mode: str | int,
+    device: torch.device,
+    config,
+    row_tokens: int,
+    state: float,
+    free: int | None = None,
+    budget: float = 1.0,
+    host_bytes: int | None = None,
+    ranks_on_host: int = 1,
+) -> bool:
+    """Whether the checkpointed layers' inputs wait in host memory: never off a GPU or without checkpointing; the
+    setting where it is true or false; for `auto`, on only where the rows would not fit without it by the estimate
+    (checkpointing `auto` with every layer recomputed, or the mode set), and the host has the memory for what this
+    host's ranks move (`host_bytes`: what it has available, less what else the run will pin; None: not known,
+    assumed enough). Where rows fit without it, it stays off even when it would let a layer or two fewer be
+    recomputed: its cost was measured only with every layer checkpointed (the 1B at 64k-token rows, H100: 1.00x)."""
+    if device.type != "cuda" or setting is False or mode == "off":
+        return False
+    if setting is True:
+        return True
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+    without = choose_checkpointing(config, row_tokens, state, free, False, budget) if mode == "auto" else mode
+    if fits(config, without, row_tokens, state, free, False, budget):
+        return False
+    if mode == "auto":
+        count = choose_checkpointing(config, row_tokens, state, free, True, budget)
+    else:
+        count = checkpointed_layers(mode, config.num_hidden_layers)
+    if count == 0:
+        return False
+    moved = ranks_on_host * offloaded_bytes(config, count, row_tokens)
+    if host_bytes is not None and moved > host_bytes:
+        log.info(
+            "activation offload auto: off; it would pay, but the checkpointed inputs take %.1f GiB of host memory "
+            "on this host and %.1f GiB are available",
+            moved / 2**30,
+            host_bytes / 2**30,
+        )
+        return False
+    return True
 
 
 def resolve_memory_budget(
@@ -381,9 +434,10 @@ def resolve_activation_checkpointing(
     modes = ("off", "selective", "full")
     longest = {m: max_row_tokens(config, m, state, free, offload=offload, budget=budget) for m in modes}
     log.info(
-        "activation checkpointing auto: %s for rows of %d tokens at activation memory budget %s (longest rows that "
-        "fit: %s)",
+        "activation checkpointing auto: %s%s for rows of %d tokens at activation memory budget %s (longest rows "
+        "that fit: %s)",
         checkpointing_label(chosen, config.num_hidden_layers),
+        ", their inputs in host memory" if offload and chosen else "",
         row_tokens,
         budget,
         ", ".join(f"{m} {n:,}" for m, n in longest.items()),

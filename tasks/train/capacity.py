@@ -115,7 +115,8 @@ def row_capacity(
     # a budget the user set applies to compiled layers (`compile: auto` compiles on GPUs); `auto` plans at 1
     budget = train.activation_memory_budget
     budget = 1.0 if budget == "auto" or train.compile == "off" else budget
-    offload = train.activation_offload and mode != "off"
+    # `auto` may turn offload on in the worker; rows are planned for what fits without it unless it is set
+    offload = train.activation_offload is True and mode != "off"
     tokens = max_row_tokens(config, mode, state, free, offload=offload, budget=budget)
     limit = getattr(config, "max_position_embeddings", None)
     if limit:

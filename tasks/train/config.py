@@ -121,10 +121,12 @@ class TrainOptions(BaseModel):
         "elementwise ops (norms, SwiGLU's product: a Llama layer keeps 32% less), lower values matmuls and attention "
         "too; auto = 1 when rows fit without checkpointing, else 0.99 before any layer is checkpointed",
     )
-    activation_offload: bool = Field(
-        False,
+    activation_offload: Literal["auto"] | bool = Field(
+        "auto",
         description="with checkpointing: keep the checkpointed layers' inputs in pinned host memory until the "
-        "backward (GPU memory for longer rows, two host copies of each layer's input a step)",
+        "backward (GPU memory for longer rows, two host copies of each layer's input a step, overlapped with "
+        "compute); auto = on a GPU, where the estimate says it saves recomputing layers or lets the rows fit, and "
+        "the host has the memory",
     )
     parallel: Literal["auto", "fsdp", "single"] = Field(
         "auto",

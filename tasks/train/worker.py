@@ -33,6 +33,7 @@ from sftflow.tasks.train.activations import (
     apply_memory_budget,
     checkpointing_label,
     resolve_activation_checkpointing,
+    resolve_activation_offload,
     resolve_memory_budget,
     settle_memory_budget,
 )
@@ -456,10 +457,14 @@ def build_run(run_dir: Path) -> Run:
         lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward,
         config.optimizer_offload,
     )  # fmt: skip
-    offload = config.activation_offload and env.device.type == "cuda"
+    # The budget `auto` picks hangs only on whether rows fit with nothing checkpointed, where nothing is offloaded.
     budget = resolve_memory_budget(
-        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, offload, free
+        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, False, free
     )
+    offload = resolve_activation_offload(
+        config.activation_offload, config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank,
+        state, free, budget, host_room(lm, config), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )  # fmt: skip
     checkpointing = resolve_activation_checkpointing(
         config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free, budget
     )
@@ -508,6 +513,7 @@ def build_run(run_dir: Path) -> Run:
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
             + (", compiled layers" if compiled else "")
             + (f", activation checkpointing {label}" if label != "off" else "")
+            + (" (inputs in host memory)" if offload and label != "off" else "")
             + (f", activation memory budget {budget}" if budget < 1 else "")
             + (", optimizer in the backward" if config.optimizer_in_backward else "")
             + (
@@ -637,6 +643,18 @@ def _train(run: Run, watch: MemoryWatch) -> None:
         allocated, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
         print(f"[train] peak memory {allocated:.2f} GiB ({reserved:.2f} GiB reserved)", flush=True)
     dist.destroy_process_group()
+
+
+def host_room(lm: torch.nn.Module, config: cfg.TrainConfig) -> int | None:
+    """Host memory the checkpointed inputs may take: what the host has available, less the headroom the process
+    keeps and the AdamW moments `optimizer_offload` is about to pin (None where the host does not say)."""
+    from sftflow.tasks.train.host_moments import HOST_HEADROOM, available_host_bytes, offloaded_numel
+
+    available = available_host_bytes()
+    if available is None:
+        return None
+    moments = 8 * offloaded_numel(lm, config.optimizer_offload)[0] if config.optimizer_offload != "off" else 0
+    return max(available - HOST_HEADROOM - moments, 0)
 
 
 def export_run(run: Run) -> None:

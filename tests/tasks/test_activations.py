@@ -23,7 +23,9 @@ from sftflow.tasks.train.activations import (
     choose_checkpointing,
     fits,
     max_row_tokens,
+    offloaded_bytes,
     resolve_activation_checkpointing,
+    resolve_activation_offload,
     resolve_memory_budget,
     settle_memory_budget,
     state_bytes,
@@ -304,6 +306,47 @@ def test_auto_keeps_the_elementwise_budget_only_where_some_layer_keeps_its_activ
     assert settle_memory_budget("auto", ELEMENTWISE_BUDGET, "full", 32) == 1.0
     assert settle_memory_budget("auto", ELEMENTWISE_BUDGET, "selective", 32) == ELEMENTWISE_BUDGET
     assert settle_memory_budget(0.99, 0.99, "full", 32) == 0.99  # a budget the user set is theirs
+
+
+def test_offload_auto_is_taken_only_where_rows_would_not_fit_without_it():
+    """`activation_offload: auto` goes on on a GPU where the estimate says the rows do not fit without it: with
+    `auto` checkpointing, where even every layer recomputed does not fit; with a mode set, where that mode does not.
+    Nowhere else (not even where it would save a layer's recompute), and not where the host lacks what it moves."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    config, state = _state("8b")
+    budget = ELEMENTWISE_BUDGET
+
+    def offload(mode, row_tokens, setting="auto", device=cuda, host=None, ranks=1):
+        return resolve_activation_offload(
+            setting, mode, device, config, row_tokens, state, H200_FREE, budget, host, ranks
+        )
+
+    # 64k-token rows: 32 layers without offload do not fit (the 8B row of RESULTS ran with offload set)
+    assert not fits(config, 32, 65536, state, H200_FREE, False, budget)
+    assert offload("auto", 65536) and offload("full", 65536)
+    # with it on, `auto` then recomputes 31 of the 32 layers (the inputs no longer held make room for one)
+    assert resolve_activation_checkpointing("auto", cuda, config, 65536, state, True, H200_FREE, budget) == 31
+    # 16k-token rows fit with 24 layers recomputed: offload would make it 23, but they fit, so it stays off
+    assert choose_checkpointing(config, 16384, state, H200_FREE, True, budget) == 23
+    assert not offload("auto", 16384) and not offload("full", 16384)
+    config_1b, state_1b = _state("1b")
+    assert not resolve_activation_offload("auto", "auto", cuda, config_1b, 16384, state_1b, H200_FREE, budget)
+    # never off a GPU, never without checkpointing, and a setting made is kept
+    assert not offload("auto", 65536, device=cpu) and not offload("off", 65536)
+    assert not offload("full", 65536, setting=False) and offload("full", 1024, setting=True)
+    # the host must hold what every rank on it moves: 32 inputs of 512 MiB each for a 64k row
+    need = offloaded_bytes(config, 32, 65536)
+    assert need == 32 * 512 * 2**20
+    assert offload("full", 65536, host=need) and not offload("full", 65536, host=need - 1)
+    assert not offload("full", 65536, host=need, ranks=2) and offload("full", 65536, host=2 * need, ranks=2)
+
+
+def test_offloaded_inputs_are_counted_in_the_pinned_caches_power_of_two_blocks():
+    config, _ = _state("8b")  # hidden 4096: a token's bf16 input is 8 KiB
+    assert offloaded_bytes(config, 1, 65536) == 512 * 2**20
+    assert offloaded_bytes(config, 1, 40000) == 512 * 2**20  # 312.5 MiB rounds up to the next power of two
+    assert offloaded_bytes(config, 3, 16384) == 3 * 128 * 2**20
+    assert offloaded_bytes(config, 0, 65536) == 0
 
 
 def test_the_layer_being_recomputed_counts_all_its_bytes_at_any_budget():

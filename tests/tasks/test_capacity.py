@@ -26,6 +26,10 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
         TrainOptions(model=LLAMA8B, activation_checkpointing="full", activation_offload=True), 1, H200
     )
     assert offload.tokens > 2 * full.tokens  # the 32 layer inputs go to the host: one layer's activations stay
+    # `full` above left offload at its default, auto, which the worker may turn on; rows are planned without it
+    assert TrainOptions().activation_offload == "auto"
+    parsed = [TrainOptions(activation_offload=v).activation_offload for v in ("true", "false", True)]
+    assert parsed == [True, False, True] and all(isinstance(v, bool) for v in parsed)  # `--set` gives strings
     assert (off.parallel, off.mode, two.parallel, full.mode) == ("single", "off", "fsdp", "full")
     assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
     half = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing=16), 1, H200)
