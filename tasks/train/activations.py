@@ -217,8 +217,8 @@ def resolve_activation_offload(
     moved = ranks_on_host * offloaded_bytes(config, count, row_tokens)
     if host_bytes is not None and moved > host_bytes:
         log.info(
-            "activation offload auto: off; it would pay, but the checkpointed inputs take %.1f GiB of host memory "
-            "on this host and %.1f GiB are available",
+            "activation offload auto: off; the rows need it, but the checkpointed inputs take %.1f GiB of host "
+            "memory on this host and %.1f GiB are available",
             moved / 2**30,
             host_bytes / 2**30,
         )

@@ -125,8 +125,8 @@ class TrainOptions(BaseModel):
         "auto",
         description="with checkpointing: keep the checkpointed layers' inputs in pinned host memory until the "
         "backward (GPU memory for longer rows, two host copies of each layer's input a step, overlapped with "
-        "compute); auto = on a GPU, where the estimate says it saves recomputing layers or lets the rows fit, and "
-        "the host has the memory",
+        "compute); auto = on a GPU, only where the estimate says the planned rows would not fit without it and the "
+        "host has the memory",
     )
     parallel: Literal["auto", "fsdp", "single"] = Field(
         "auto",
