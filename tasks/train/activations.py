@@ -71,6 +71,11 @@ def layer_bytes_per_token(config, budget: float = 1.0) -> float:
     return kept_share(config, budget) * SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
 
 
+def input_bytes_per_token(config) -> int:
+    """Bytes of one token of a decoder layer's bf16 input: what a checkpointed layer keeps, and what offload moves."""
+    return 2 * config.hidden_size
+
+
 def checkpointed_layers(mode: str | int, num_layers: int) -> int:
     """How many of `num_layers` decoder layers checkpointing `mode` recomputes: none (off), all (full), every second
     one (selective), or a count of them."""
@@ -100,11 +105,11 @@ def activation_bytes_per_token(config, mode: str | int, offload: bool = False, b
     layers, one = config.num_hidden_layers, layer_bytes_per_token(config, budget)
     # With offload, the kept inputs wait on the host; the one copied back ahead of its layer's recompute is on the
     # device next to the layer being recomputed.
-    kept_input = 0 if offload else 2 * config.hidden_size
+    kept_input = 0 if offload else input_bytes_per_token(config)
     checkpointed = checkpointed_layers(mode, layers)
     if checkpointed == 0:
         return layers * one
-    prefetched = 2 * config.hidden_size if offload else 0
+    prefetched = input_bytes_per_token(config) if offload else 0
     # The layer being recomputed holds all its bytes whatever the budget: below 1 its backward recomputes the
     # elementwise outputs its forward dropped, next to what it kept (measured: the 1B at 64k-token rows, every layer
     # checkpointed, peaks 1.5 GiB higher at 0.99 than at 1, exactly those outputs).
@@ -177,7 +182,7 @@ def choose_checkpointing(
 def offloaded_bytes(config, checkpointed: int, row_tokens: int) -> int:
     """Pinned host bytes `activation_offload` holds on one rank: each checkpointed layer's bf16 input of a row, in
     blocks of a power of two (torch's pinned-memory cache rounds each allocation up to one)."""
-    one = row_tokens * config.hidden_size * 2
+    one = row_tokens * input_bytes_per_token(config)
     return checkpointed * (1 << max(one - 1, 0).bit_length())
 
 
@@ -233,7 +238,6 @@ def resolve_memory_budget(
     config,
     row_tokens: int,
     state: float,
-    offload: bool = False,
     free: int | None = None,
 ) -> float:
     """The compiled layers' `activation_memory_budget`: `budget` itself, or for `auto` 1 (keep what the compiler
@@ -249,7 +253,7 @@ def resolve_memory_budget(
         return 1.0
     if free is None:
         free, _ = torch.cuda.mem_get_info(device)
-    return 1.0 if fits(config, "off", row_tokens, state, free, offload) else ELEMENTWISE_BUDGET
+    return 1.0 if fits(config, "off", row_tokens, state, free) else ELEMENTWISE_BUDGET
 
 
 def settle_memory_budget(setting: str | float, budget: float, checkpointing: str | int, num_layers: int) -> float:

@@ -457,9 +457,8 @@ def build_run(run_dir: Path) -> Run:
         lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward,
         config.optimizer_offload,
     )  # fmt: skip
-    # The budget `auto` picks hangs only on whether rows fit with nothing checkpointed, where nothing is offloaded.
     budget = resolve_memory_budget(
-        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, False, free
+        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, free
     )
     offload = resolve_activation_offload(
         config.activation_offload, config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank,

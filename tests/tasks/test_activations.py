@@ -298,7 +298,7 @@ def test_auto_keeps_the_elementwise_budget_only_where_some_layer_keeps_its_activ
     config, state = _state("8b")
     cases = [(16384, False, 24, ELEMENTWISE_BUDGET), (65536, True, 31, ELEMENTWISE_BUDGET), (65536, False, 32, 1.0)]
     for row_tokens, offload, layers, settled in cases:
-        budget = resolve_memory_budget("auto", True, cuda, config, row_tokens, state, offload, free=H200_FREE)
+        budget = resolve_memory_budget("auto", True, cuda, config, row_tokens, state, free=H200_FREE)
         assert budget == ELEMENTWISE_BUDGET  # no row fits without checkpointing
         mode = resolve_activation_checkpointing("auto", cuda, config, row_tokens, state, offload, H200_FREE, budget)
         assert checkpointed_layers(mode, 32) == layers
