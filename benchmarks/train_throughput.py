@@ -47,6 +47,10 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
   quantisation, bf16 compute, the 4-bit matmuls outside the compiled graphs; `sftflow.tasks.train.quantize`).
 - **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
   longer rows cost in time for the memory they save.
+- **D<N>** / **D<N>b<budget>** (e.g. `D4`, `D8b0.99`): D with N decoder layers checkpointed (spread as the worker
+  spreads a count) and, after `b`, that `activation_memory_budget` instead of `--memory-budget`: the points that
+  calibrate the activation estimate. Every D mode reports the estimate's peak (`estimated_peak_gib`, for the
+  longest row it ran) next to the measured one.
 
 Under torchrun (N ranks) only the FSDP baselines run (B, C, Cac, Clac): one plan of N rows a step, each rank its
 own row, each rank's loss the mean over its rows' trained tokens with FSDP averaging the gradients (how their users
@@ -72,6 +76,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -115,6 +120,21 @@ PRESETS = {
     # The 1B shape as Mistral (sliding-window attention on every layer): with `--sliding-window 0` the same model
     # with full attention, for what a window saves in training.
     "mistral1b": dict(LLAMA1B, model_type="mistral", sliding_window=4096),
+    # Qwen2.5-1.5B's shape: another ratio of MLP to hidden width (5.8 against the Llamas' 4 and 3.5), biased q/k/v,
+    # 2 KV heads, for the activation estimate's calibration.
+    "qwen1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -132,6 +152,7 @@ PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
 MODES = ("A", "B", "C", "Cl", "Cn", "Cnac", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
 MULTI_GPU_MODES = {"B", "C", "Cac", "Clac"}  # the FSDP baselines, under torchrun --nproc-per-node N
+COUNTED_MODE = re.compile(r"D(\d+)(?:b(\d*\.?\d+))?")  # D<N>[b<budget>]: N checkpointed layers, that budget
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
 BASELINE_ATTENTION = "bench_torch_varlen"
 
@@ -739,9 +760,10 @@ class Bench:
         profile_dir: Path | None,
         compile_mode: str = "auto",
         parallel: str = "auto",
-        checkpointing: str = "off",
+        checkpointing: str | int = "off",
         lora: bool = False,
         quantize: bool = False,
+        budget_override: float | None = None,
     ) -> dict:
         """The worker's step: `build_model`, the worker's `compile` and `parallel` settings (`parallelize`), and
         `sftflow.tasks.train.worker.train_step` on `RankBatches`, then the scheduler and `MetricsLogger` as the
@@ -752,6 +774,7 @@ class Bench:
         from sftflow.tasks.train.activations import (
             apply_activation_checkpointing,
             apply_memory_budget,
+            peak_bytes,
             resolve_memory_budget,
         )
         from sftflow.tasks.train.capacity import model_state_bytes
@@ -780,6 +803,8 @@ class Bench:
         free = torch.cuda.mem_get_info(env.device)[0] + held if env.device.type == "cuda" else None
         requested = args.memory_budget if args.memory_budget == "auto" else float(args.memory_budget)
         budget = resolve_memory_budget(requested, compiled, env.device, lm.config, args.row_tokens, state, free=free)
+        if budget_override is not None:
+            budget = budget_override
         apply_memory_budget(budget)
         if compiled:
             torch._dynamo.reset()
@@ -815,6 +840,8 @@ class Bench:
         stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
         prefetch = Prefetch(batches, plan, plan.num_steps, stage=stage)
 
+        row_tokens: list[int] = []  # every step's, warm-up included: the peak is over the whole mode
+
         def step(s, breakdown=False):
             # -- the worker's loop body (skip/NaN branches elided: never taken here) --
             t0 = time.perf_counter()
@@ -831,6 +858,7 @@ class Bench:
                 host_work=partial(prefetch.collate, s + 1),
             )
             tb = mark("train_step", tb, breakdown)
+            row_tokens.append(result.tokens)  # one row a step here
             if result.targets != step_loss_tokens:
                 raise AssertionError(f"step {s}: plan {step_loss_tokens} trained tokens, batches {result.targets}")
             lr = scheduler.get_last_lr()[0]
@@ -863,6 +891,11 @@ class Bench:
         }
         try:
             result = self.timed(name, step, warmup, args.steps, extra)
+            if row_tokens:
+                longest = max(row_tokens)
+                estimate = peak_bytes(lm.config, checkpointing, longest, state, budget=budget)
+                result.update(row_tokens_max=longest, estimated_peak_gib=estimate / 2**30, memory_budget=budget)
+                print(f"[{name}] estimated peak {estimate / 2**30:.2f} GiB for a {longest}-token row", flush=True)
             if compiled:
                 result["dynamo"] = dynamo_stats()
             losses = [json.loads(line)["loss"] for line in metrics_path.read_text().splitlines()]
@@ -1156,7 +1189,11 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="D,B,A,C,De", help=f"comma-separated subset of {','.join(MODES)}, in order")
+    p.add_argument(
+        "--modes",
+        default="D,B,A,C,De",
+        help=f"comma-separated, in order: some of {','.join(MODES)}, or D<N>[b<budget>] (N layers checkpointed)",
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--sliding-window", type=int, default=None, help="window of a windowed preset (0: full attention)")
@@ -1230,7 +1267,7 @@ def main(argv=None) -> dict:
             return report
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES)
+    unknown = {m for m in modes if m not in MODES and not COUNTED_MODE.fullmatch(m)}
     if unknown:
         raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected some of {list(MODES)}")
     env = init_single_process(args.device)
@@ -1282,6 +1319,11 @@ def main(argv=None) -> dict:
         from sftflow.tasks.train.activations import apply_memory_budget
 
         for mode in modes:
+            if counted := COUNTED_MODE.fullmatch(mode):
+                count, override = int(counted[1]), counted[2]
+                runners[mode] = partial(
+                    bench.mode_d, mode, None, checkpointing=count, budget_override=override and float(override)
+                )
             if time.perf_counter() - t_start > args.budget_s:
                 report["results"].append({"mode": mode, "error": "skipped: time budget spent"})
                 continue
