@@ -15,9 +15,9 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
   turns it on where the rows would not fit without it and the host has the room (`resolve_activation_offload`);
 - `auto`: off on a CPU; on a GPU, the fewest checkpointed layers (none, some, or all) whose estimated peak for a
   planned row fits in the memory the device has free (`choose_checkpointing`), so only as much of the step is
-  recomputed as the memory asks for. The estimate is the weights, masters, moments and
-  gradients of the run's training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`,
-  measured on an H200), and it also gives the longest row each mode fits (`max_row_tokens`), which
+  recomputed as the memory asks for. The estimate is the weights, masters, moments and gradients of the run's
+  training path (`state_bytes`) plus the activations a row keeps (`activation_bytes_per_token`, calibrated on peaks
+  measured on an H100 and an H200), and it also gives the longest row each mode fits (`max_row_tokens`), which
   `sftflow plan --tokens-per-rank auto` uses.
 """
 
@@ -34,11 +34,11 @@ log = logging.getLogger("sftflow.train")
 
 
 # Bytes one token keeps for the backward in one decoder layer, as a fraction of `2 * (10 * hidden + 4 * intermediate)`
-# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), measured on an H200 with the worker's
-# step (compiled layers, Triton attention, one-GPU path) for the Llama-3.2-1B shape: the peak grows by 1.24-1.28 MB
-# per row token from 8k to 64k-token rows, 0.73-0.75 of the structural count (inductor saves fewer tensors than
-# eager), rounded up.
-SAVED_FRACTION = 0.76
+# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), measured with the worker's step (compiled
+# layers, Triton attention, one-GPU path) from the peaks at different counts of checkpointed layers
+# (`benchmarks/train_throughput.py --modes D4b1,D8b1,...`, H100): 0.712 for the Llama-3.2-1B shape at 32k and 64k-token
+# rows, ~0.69 for Qwen2.5-1.5B's (inductor saves fewer tensors than eager); rounded up.
+SAVED_FRACTION = 0.72
 # `activation_memory_budget` that `auto` sets where rows do not fit as they are. Below 1, torch's partitioner first
 # tries its "more aggressive" min-cut, which may recompute any elementwise op (no matmul, no attention: those are not
 # on its list), and takes it if that keeps less than the budget's share; only a lower budget goes on to recompute
@@ -46,9 +46,11 @@ SAVED_FRACTION = 0.76
 # product are no longer kept (measured on CPU with the layers' GPU graph, benchmarks/RESULTS.md), with the same
 # gradients. (At 0.7, Gemma 3's layer already recomputes its attention.)
 ELEMENTWISE_BUDGET = 0.99
-# The share of a layer's bytes the elementwise recompute keeps, measured: Llama 0.68, Qwen2.5 0.69, Phi-3 0.72,
-# Gemma 3 0.82 (four norms a layer, so more of what it keeps is other than norm outputs); Phi-3's 0.724 rounded up.
-ELEMENTWISE_KEPT = {"gemma3": 0.82, "gemma3_text": 0.82}
+# The share of a layer's bytes the elementwise recompute keeps, measured on CPU with the layers' GPU graph: Llama 0.68,
+# Qwen2.5 0.69, Phi-3 0.724, Gemma 3 0.82 (four norms a layer, so more of what it keeps is other than norm outputs).
+# On an H100 the Llama and Qwen peaks give the same: 0.677 and ~0.70. Mistral's decoder layer is Llama's. Families
+# not measured take the largest but Gemma's, rounded up.
+ELEMENTWISE_KEPT = {"llama": 0.68, "mistral": 0.68, "qwen2": 0.70, "phi3": 0.73, "gemma3": 0.82, "gemma3_text": 0.82}
 ELEMENTWISE_KEPT_DEFAULT = 0.73
 # Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
 OVERHEAD_BYTES = 2 * 2**30
@@ -101,20 +103,22 @@ def checkpointing_label(mode: str | int, num_layers: int) -> str:
 def activation_bytes_per_token(config, mode: str | int, offload: bool = False, budget: float = 1.0) -> float:
     """Bytes one row token keeps on the device for the backward, model-wide, with checkpointing `mode` (or that many
     checkpointed layers) and the compiled layers' memory `budget`. A checkpointed layer keeps its bf16 input (in host
-    memory with `offload`); while one layer is recomputed in the backward, its activations are live as well."""
+    memory with `offload`); a layer left out of checkpointing keeps its activations; and the layer whose backward runs
+    holds up to one layer's bytes more (at budget 1)."""
     layers, one = config.num_hidden_layers, layer_bytes_per_token(config, budget)
     # With offload, the kept inputs wait on the host; the one copied back ahead of its layer's recompute is on the
     # device next to the layer being recomputed.
     kept_input = 0 if offload else input_bytes_per_token(config)
     checkpointed = checkpointed_layers(mode, layers)
-    if checkpointed == 0:
-        return layers * one
-    prefetched = input_bytes_per_token(config) if offload else 0
-    # The layer being recomputed holds all its bytes whatever the budget: below 1 its backward recomputes the
-    # elementwise outputs its forward dropped, next to what it kept (measured: the 1B at 64k-token rows, every layer
-    # checkpointed, peaks 1.5 GiB higher at 0.99 than at 1, exactly those outputs).
-    recomputing = layer_bytes_per_token(config)
-    return checkpointed * kept_input + (layers - checkpointed) * one + recomputing + prefetched
+    prefetched = input_bytes_per_token(config) if offload and checkpointed else 0
+    # A layer's backward needs more than the layer kept, whatever the budget: the gradients of its intermediates, and
+    # a checkpointed layer's recomputed activations; below budget 1 also the elementwise outputs its forward dropped.
+    # Measured on an H100 (the 1B at 32k and 64k-token rows): 50-70 kB a token beside what the layers keep with some
+    # layers not checkpointed; with every layer checkpointed, the recomputed layer's own bytes and 17-65 kB more. One
+    # layer's bytes at budget 1 (77 kB) stand for it; the state's gradients, mostly not yet made at that peak, cover
+    # the rest.
+    in_backward = layer_bytes_per_token(config)
+    return checkpointed * kept_input + (layers - checkpointed) * one + in_backward + prefetched
 
 
 def state_bytes(trained_params: int, frozen_bytes: float, parallel: str, world_size: int, total_params: int,

@@ -24,6 +24,7 @@ from sftflow.tasks.train.activations import (
     fits,
     max_row_tokens,
     offloaded_bytes,
+    peak_bytes,
     resolve_activation_checkpointing,
     resolve_activation_offload,
     resolve_memory_budget,
@@ -232,6 +233,43 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
     assert measured_gib * GIB <= estimate <= 1.3 * measured_gib * GIB
 
 
+def _qwen15b():
+    from transformers import AutoConfig
+
+    shape = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, tie_word_embeddings=True)
+    return AutoConfig.for_model("qwen2", vocab_size=151936, num_attention_heads=12, num_key_value_heads=2, **shape)
+
+
+# `benchmarks/train_throughput.py --modes D<N>b<budget>` on an H100 (2026-12-05): the worker's one-GPU step with N
+# layers checkpointed and that memory budget; (model, the longest row's tokens, N, budget, max_memory_allocated GiB).
+H100_PEAKS = [
+    *[("1b", 64718, n, 0.99, gib) for n, gib in ((0, 68.08), (4, 56.70), (8, 45.31), (16, 25.38))],
+    *[("1b", 64718, n, 1.0, gib) for n, gib in ((4, 73.24), (8, 55.92), (16, 23.93))],
+    *[("1b", 31546, n, 1.0, gib) for n, gib in ((0, 51.47), (4, 43.06), (16, 19.04))],
+    *[("1b", 31546, n, 0.99, gib) for n, gib in ((0, 40.60), (16, 19.73))],
+    *[("qwen1.5b", 32359, n, 0.99, gib) for n, gib in ((0, 61.54), (14, 42.08), (28, 24.00))],
+    *[("qwen1.5b", 32359, n, 1.0, gib) for n, gib in ((14, 51.09), (28, 23.13))],
+    *[("qwen1.5b", 15773, n, b, gib) for n, b, gib in ((0, 1.0, 48.41), (0, 0.99, 39.15), (28, 0.99, 21.93))],
+    ("1b", 65536, 2, 0.99, 63.0),  # benchmarks/workload.py llama1b-64k, `auto` on the H100
+]
+
+
+@pytest.mark.parametrize("model, row_tokens, layers, budget, measured_gib", H100_PEAKS)
+def test_the_estimate_covers_every_h100_peak_closely(model, row_tokens, layers, budget, measured_gib):
+    """Llama-3.2-1B and Qwen2.5-1.5B shapes, 16k-64k-token rows, none to every layer checkpointed, budgets 1 and 0.99:
+    the estimate is never under a measured peak, at most 15% over where activations are most of it (the estimate
+    before these points was up to 18% over there), and 20% where the state is (its gradients, mostly not yet made at
+    the peak, and the 2 GiB overhead are most of the difference)."""
+    if model == "1b":
+        config, state = _state("1b")
+    else:
+        config = _qwen15b()
+        params = 1_543_714_304  # the shape's parameters (tied embeddings)
+        state = state_bytes(params, 0.0, "single", 1, params, config.num_hidden_layers)
+    estimate = peak_bytes(config, layers, row_tokens, state, budget=budget)
+    assert measured_gib * GIB <= estimate <= (1.15 if measured_gib >= 40 else 1.2) * measured_gib * GIB
+
+
 @pytest.mark.parametrize(
     "offload, layers, budget, measured_gib",
     [  # benchmarks/workload.py llama8b-16k --set train.optimizer_in_backward=true (and optimizer_offload), 2026-12-05
@@ -243,8 +281,9 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
 def test_the_estimate_covers_the_8b_peaks_measured_with_the_optimizer_in_the_backward(
     offload, layers, budget, measured_gib
 ):
-    """The 8B at 16k-token rows on one H200 with gradient release, moments on the host and the memory budget, as
-    `auto` chose them there: the estimate picks the same layer count, and lies above each measured peak by < 30%."""
+    """The 8B at 16k-token rows on one H200 with gradient release, moments on the host and the memory budget, at the
+    layer counts `auto` chose there: the estimate lies above each measured peak by < 30%, and it now asks for no more
+    recompute than what ran and fit."""
     from transformers import AutoModelForCausalLM
 
     from sftflow.tasks.train.capacity import model_state_bytes
@@ -253,7 +292,7 @@ def test_the_estimate_covers_the_8b_peaks_measured_with_the_optimizer_in_the_bac
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     state = model_state_bytes(lm, "none", "single", 1, accumulating=False, released=True, offload=offload)
-    assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) == layers
+    assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) <= layers
     estimate = state + 16384 * activation_bytes_per_token(config, layers, budget=budget) + OVERHEAD_BYTES
     assert measured_gib * GIB <= estimate <= 1.3 * measured_gib * GIB
 
@@ -265,10 +304,10 @@ def test_auto_checkpoints_the_fewest_layers_that_fit():
     assert 0 < choose_checkpointing(config, 131072, state, H200_FREE) < 16
     config, state = _state("8b")  # full fine-tuning on one GPU: 112 GB of state leave ~20 GB
     assert choose_checkpointing(config, 1024, state, H200_FREE) == 0
-    # 16k rows: 27 of the 32 layers recompute (full checkpointing measured 109.8 GiB; each layer left out keeps
-    # ~2.2 GiB more), not all 32; 64k rows need all of them, with the inputs on the host as well.
-    assert choose_checkpointing(config, 16384, state, H200_FREE) == 27
-    assert choose_checkpointing(config, 65536, state, H200_FREE, offload=True) == 32
+    # 16k rows: 26 of the 32 layers recompute (full checkpointing measured 109.8 GiB; each layer left out keeps
+    # ~2.1 GiB more), not all 32; 64k rows need 31 of them, with the inputs on the host as well.
+    assert choose_checkpointing(config, 16384, state, H200_FREE) == 26
+    assert choose_checkpointing(config, 65536, state, H200_FREE, offload=True) == 31
     config, state = _state("8b", "fsdp", world=2)  # the state halves over 2 ranks: a few layers recompute
     assert 0 < choose_checkpointing(config, 16384, state, H200_FREE) < 16
     # LoRA rank 16 on all linears: 42M fp32 adapters on a bf16 base (16 GB) fit a 16k row; NF4 leaves room for more.
@@ -285,7 +324,7 @@ def test_auto_sizes_against_the_memory_free_before_the_model_was_built():
 
     config, state = _state("8b")
     cuda = torch.device("cuda")
-    assert resolve_activation_checkpointing("auto", cuda, config, 16384, state, free=H200_FREE) == 27
+    assert resolve_activation_checkpointing("auto", cuda, config, 16384, state, free=H200_FREE) == 26
     # asked after an 8B model's fp32 weights (32 GB) were drawn on the GPU, it would recompute every layer
     assert resolve_activation_checkpointing("auto", cuda, config, 16384, state, free=H200_FREE - 32e9) == 32
     assert resolve_activation_checkpointing("full", cuda, config, 16384, state, free=1) == "full"
@@ -296,7 +335,7 @@ def test_auto_keeps_the_elementwise_budget_only_where_some_layer_keeps_its_activ
     layer keeps activations for the budget to shrink, and it goes back to 1 (measured: 1.5 GiB less at the peak)."""
     cuda = torch.device("cuda")
     config, state = _state("8b")
-    cases = [(16384, False, 24, ELEMENTWISE_BUDGET), (65536, True, 31, ELEMENTWISE_BUDGET), (65536, False, 32, 1.0)]
+    cases = [(16384, False, 23, ELEMENTWISE_BUDGET), (65536, True, 31, ELEMENTWISE_BUDGET), (65536, False, 32, 1.0)]
     for row_tokens, offload, layers, settled in cases:
         budget = resolve_memory_budget("auto", True, cuda, config, row_tokens, state, free=H200_FREE)
         assert budget == ELEMENTWISE_BUDGET  # no row fits without checkpointing
@@ -326,8 +365,8 @@ def test_offload_auto_is_taken_only_where_rows_would_not_fit_without_it():
     assert offload("auto", 65536) and offload("full", 65536)
     # with it on, `auto` then recomputes 31 of the 32 layers (the inputs no longer held make room for one)
     assert resolve_activation_checkpointing("auto", cuda, config, 65536, state, True, H200_FREE, budget) == 31
-    # 16k-token rows fit with 24 layers recomputed: offload would make it 23, but they fit, so it stays off
-    assert choose_checkpointing(config, 16384, state, H200_FREE, True, budget) == 23
+    # 16k-token rows fit with 23 layers recomputed: offload would make it 21, but they fit, so it stays off
+    assert choose_checkpointing(config, 16384, state, H200_FREE, True, budget) == 21
     assert not offload("auto", 16384) and not offload("full", 16384)
     config_1b, state_1b = _state("1b")
     assert not resolve_activation_offload("auto", "auto", cuda, config_1b, 16384, state_1b, H200_FREE, budget)
@@ -352,7 +391,7 @@ def test_offloaded_inputs_are_counted_in_the_pinned_caches_power_of_two_blocks()
 def test_the_layer_being_recomputed_counts_all_its_bytes_at_any_budget():
     """Below budget 1 a recomputed layer's backward also recomputes the outputs its forward dropped, so it holds all
     of them: the budget shrinks only the layers that keep their activations."""
-    from sftflow.tasks.train.activations import ELEMENTWISE_KEPT_DEFAULT, layer_bytes_per_token
+    from sftflow.tasks.train.activations import kept_share, layer_bytes_per_token
 
     config, _ = _state("8b")
     assert activation_bytes_per_token(config, "full", budget=ELEMENTWISE_BUDGET) == activation_bytes_per_token(
@@ -363,7 +402,8 @@ def test_the_layer_being_recomputed_counts_all_its_bytes_at_any_budget():
             config, count, budget=ELEMENTWISE_BUDGET
         )
         kept_layers = config.num_hidden_layers - count
-        assert saved == pytest.approx(kept_layers * (1 - ELEMENTWISE_KEPT_DEFAULT) * layer_bytes_per_token(config))
+        kept = kept_share(config, ELEMENTWISE_BUDGET)
+        assert saved == pytest.approx(kept_layers * (1 - kept) * layer_bytes_per_token(config))
 
 
 @pytest.mark.parametrize("size, row_tokens", [("1b", 131072), ("8b", 16384), ("8b", 24576)])
@@ -486,7 +526,9 @@ def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no
     """At `ELEMENTWISE_BUDGET` the compiler stops keeping both RMSNorms' outputs and SwiGLU's product (2 x hidden +
     intermediate of 7 x hidden + 4 x kv + 3 x intermediate elements a token) and recomputes them in the backward: no
     matmul and no attention runs again, and the gradients are the same to the bit."""
-    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET
+    from types import SimpleNamespace
+
+    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, kept_share
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -494,7 +536,7 @@ def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no
     less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET, device)
     tokens, hidden, inter = 128, 256, 896
     assert full - less == tokens * 2 * (2 * hidden + inter)
-    assert less / full < 0.72
+    assert less / full <= kept_share(SimpleNamespace(model_type="llama"), ELEMENTWISE_BUDGET)  # what `auto` counts
     matmuls = {k: v for k, v in full_ops.items() if "mm" in k or "attention" in k}
     assert matmuls == {k: v for k, v in less_ops.items() if "mm" in k or "attention" in k}
     assert matmuls["aten.mm"] == 14  # dX and dW of the 7 projections
@@ -504,21 +546,25 @@ def test_the_elementwise_budget_keeps_a_third_less_for_the_same_gradients_and_no
 
 def test_auto_budget_recomputes_elementwise_ops_before_any_layer():
     """`activation_memory_budget: auto` keeps what the compiler keeps where the row fits as it is, else spends the
-    free recompute first: the 8B at 16k-token rows on one H200 then recomputes 24 of its layers, not 27."""
-    from sftflow.tasks.train.activations import ELEMENTWISE_BUDGET, ELEMENTWISE_KEPT_DEFAULT, resolve_memory_budget
+    free recompute first: the 8B at 16k-token rows on one H200 then recomputes 23 of its layers, not 26."""
+    from sftflow.tasks.train.activations import (
+        ELEMENTWISE_BUDGET,
+        kept_share,
+        layer_bytes_per_token,
+        resolve_memory_budget,
+    )
 
     cuda = torch.device("cuda")
     config, state = _state("8b")
     assert resolve_memory_budget("auto", True, cuda, config, 1024, state, free=H200_FREE) == 1.0
     budget = resolve_memory_budget("auto", True, cuda, config, 16384, state, free=H200_FREE)
     assert budget == ELEMENTWISE_BUDGET
-    assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) == 24
-    assert activation_bytes_per_token(config, "off", budget=budget) == pytest.approx(
-        ELEMENTWISE_KEPT_DEFAULT * activation_bytes_per_token(config, "off")
-    )
-    assert activation_bytes_per_token(config, "off", budget=0.5) == pytest.approx(
-        0.5 * activation_bytes_per_token(config, "off")
-    )
+    assert choose_checkpointing(config, 16384, state, H200_FREE, budget=budget) == 23
+    # the layers keep the budget's share; the layer whose backward runs holds all of its bytes at any budget
+    layers, one = config.num_hidden_layers, layer_bytes_per_token(config)
+    assert kept_share(config, budget) == 0.68  # a Llama layer, measured
+    for b, share in ((budget, 0.68), (0.5, 0.5)):
+        assert activation_bytes_per_token(config, "off", budget=b) == pytest.approx((layers * share + 1) * one)
     assert resolve_memory_budget(0.5, True, cuda, config, 16384, state, free=H200_FREE) == 0.5
     assert resolve_memory_budget(0.5, False, cuda, config, 16384, state, free=H200_FREE) == 1.0  # nothing compiled
     assert resolve_memory_budget("auto", True, torch.device("cpu"), config, 16384, state) == 1.0
