@@ -34,11 +34,24 @@ log = logging.getLogger("sftflow.train")
 
 
 # Bytes one token keeps for the backward in one decoder layer, as a fraction of `2 * (10 * hidden + 4 * intermediate)`
-# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), measured with the worker's step (compiled
-# layers, Triton attention, one-GPU path) from the peaks at different counts of checkpointed layers
-# (`benchmarks/train_throughput.py --modes D4b1,D8b1,...`, H100): 0.712 for the Llama-3.2-1B shape at 32k and 64k-token
-# rows, ~0.69 for Qwen2.5-1.5B's (inductor saves fewer tensors than eager); rounded up.
-SAVED_FRACTION = 0.72
+# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), by family (`model_type`). Measured with the
+# worker's step (compiled layers, Triton attention, one-GPU path) from the peaks at different counts of checkpointed
+# layers (`benchmarks/train_throughput.py --modes D4b1,D8b1,...`, H100): 0.712 for the Llama-3.2-1B shape. The other
+# families keep more or less than their count says (multi-head K/V, q/k norms, four norms a layer): their compiled
+# layer, in shapes of the real models' proportions, keeps 1.03-1.22x a Llama layer's fraction on CPU (Qwen2 0.72,
+# SmolLM3 0.74, Qwen3 0.80, Gemma 3 0.79, Phi-3-mini 0.85 against Llama's 0.69; Phi-4-mini, also `phi3`, 0.80); each is
+# that times the GPU's 1.026 over CPU for Llama, rounded up. A family not measured takes the largest.
+SAVED_FRACTION = {
+    "llama": 0.72,
+    "mistral": 0.72,
+    "qwen2": 0.74,
+    "smollm3": 0.76,
+    "qwen3": 0.82,
+    "gemma3": 0.82,
+    "gemma3_text": 0.82,
+    "phi3": 0.88,
+}
+SAVED_FRACTION_DEFAULT = 0.88
 # `activation_memory_budget` that `auto` sets where rows do not fit as they are. Below 1, torch's partitioner first
 # tries its "more aggressive" min-cut, which may recompute any elementwise op (no matmul, no attention: those are not
 # on its list), and takes it if that keeps less than the budget's share; only a lower budget goes on to recompute
@@ -46,12 +59,21 @@ SAVED_FRACTION = 0.72
 # product are no longer kept (measured on CPU with the layers' GPU graph, benchmarks/RESULTS.md), with the same
 # gradients. (At 0.7, Gemma 3's layer already recomputes its attention.)
 ELEMENTWISE_BUDGET = 0.99
-# The share of a layer's bytes the elementwise recompute keeps, measured on CPU with the layers' GPU graph: Llama 0.68,
-# Qwen2.5 0.69, Phi-3 0.724, Gemma 3 0.82 (four norms a layer, so more of what it keeps is other than norm outputs).
-# On an H100 the Llama and Qwen peaks give the same: 0.677 and ~0.70. Mistral's decoder layer is Llama's. Families
-# not measured take the largest but Gemma's, rounded up.
-ELEMENTWISE_KEPT = {"llama": 0.68, "mistral": 0.68, "qwen2": 0.70, "phi3": 0.73, "gemma3": 0.82, "gemma3_text": 0.82}
-ELEMENTWISE_KEPT_DEFAULT = 0.73
+# The share of a layer's bytes the elementwise recompute keeps: Llama 0.677 measured on an H100, ~0.70 for Qwen2.5; on
+# CPU with the layers' GPU graph, in the real models' proportions, Llama and Mistral 0.67, Qwen2 0.67, SmolLM3 0.68,
+# Qwen3 0.72, Phi-3-mini 0.73, Phi-4-mini 0.66, Gemma 3 0.71 (0.82 in a small test shape), rounded up; a family not
+# measured takes the largest but Gemma's.
+ELEMENTWISE_KEPT = {
+    "llama": 0.68,
+    "mistral": 0.68,
+    "qwen2": 0.70,
+    "smollm3": 0.70,
+    "qwen3": 0.73,
+    "phi3": 0.75,
+    "gemma3": 0.82,
+    "gemma3_text": 0.82,
+}
+ELEMENTWISE_KEPT_DEFAULT = 0.75
 # Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
 OVERHEAD_BYTES = 2 * 2**30
 # The estimate may use this much of the memory the device has free when the model is built.
@@ -70,7 +92,8 @@ def layer_bytes_per_token(config, budget: float = 1.0) -> float:
     """Bytes one token keeps for the backward in one decoder layer without checkpointing (`budget`: the compiled
     layers' `activation_memory_budget`)."""
     hidden, inter = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return kept_share(config, budget) * SAVED_FRACTION * 2 * (10 * hidden + 4 * inter)
+    saved = SAVED_FRACTION.get(getattr(config, "model_type", ""), SAVED_FRACTION_DEFAULT)
+    return kept_share(config, budget) * saved * 2 * (10 * hidden + 4 * inter)
 
 
 def input_bytes_per_token(config) -> int:

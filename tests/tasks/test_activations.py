@@ -461,9 +461,12 @@ def test_frozen_weights_count_at_the_bytes_they_are_held_in():
     assert 0.515 < NF4_BYTES_PER_WEIGHT < 0.517
 
 
-def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool = False, family: str | None = None):
-    """A compiled Llama decoder layer's forward at the compiler's activation memory `budget`: the activation bytes
-    kept for the backward, the aten ops the backward runs, and the gradients."""
+def _saved_and_backward(
+    budget: float, device: str = "cpu", checkpointed: bool = False, family: str | None = None, config=None
+):
+    """A compiled Llama decoder layer's forward (or `family`'s, or `config`'s) at the compiler's activation memory
+    `budget`: the activation bytes kept for the backward (128 tokens), the aten ops the backward runs, and the
+    gradients."""
     import torch._functorch.config as functorch_config
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -479,7 +482,9 @@ def _saved_and_backward(budget: float, device: str = "cpu", checkpointed: bool =
             return func(*args, **(kwargs or {}))
 
     torch._dynamo.reset()  # compile again under this budget
-    if family is None:
+    if config is not None:
+        config.num_hidden_layers = 1
+    elif family is None:
         config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
     else:
@@ -580,6 +585,43 @@ def test_the_budget_composes_with_checkpointed_compiled_layers():
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert kept == 0  # beyond its input (left out of the count)
     assert ops["aten.mm"] == want_ops["aten.mm"] > 14  # the projections' forward once more, and their backward
+
+
+# The real models' proportions (heads x head dim and MLP width against hidden, KV heads against heads), scaled down.
+REAL_SHAPES = {
+    "llama-3.1-8b": ("llama", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                                   intermediate_size=1792)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=384, num_attention_heads=3, num_key_value_heads=1, head_dim=128,
+                                   intermediate_size=2240)),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                 intermediate_size=768)),
+    "smollm3-3b": ("smollm3", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                   intermediate_size=1376)),
+    "phi-3-mini": ("phi3", dict(hidden_size=384, num_attention_heads=4, num_key_value_heads=4,
+                                intermediate_size=1024)),
+    "gemma-3-1b": ("gemma3_text", dict(hidden_size=576, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                       intermediate_size=3456)),
+}  # fmt: skip
+# What a Llama-3.2-1B layer keeps on an H100 over what the same compiled layer keeps on CPU (0.712 / 0.694).
+GPU_OVER_CPU = 1.026
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_each_familys_layer_keeps_no_more_than_the_estimate_counts(shape):
+    """A compiled decoder layer of each family, in its real model's proportions, keeps (at budget 1, scaled by the GPU
+    over CPU ratio measured for Llama) no more bytes a token than `layer_bytes_per_token` counts, and no less than 95%
+    of it: a family whose layer keeps more than a Llama's (multi-head K/V, q/k norms) is counted for it, so `auto`
+    does not choose a layer count that runs out of memory."""
+    from transformers import AutoConfig
+
+    from sftflow.tasks.train.activations import layer_bytes_per_token
+
+    model_type, fields = REAL_SHAPES[shape]
+    special = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    full, _, _ = _saved_and_backward(1.0, config=AutoConfig.for_model(model_type, **special, **fields))
+    config = AutoConfig.for_model(model_type, **special, **fields)
+    measured = GPU_OVER_CPU * full / 128
+    assert 0.95 * layer_bytes_per_token(config) <= measured <= layer_bytes_per_token(config)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "phi3", "gemma3"])
