@@ -135,6 +135,21 @@ PRESETS = {
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
     ),
+    # Phi-3-mini's shape (multi-head K/V: its layer keeps 1.22x a Llama layer's fraction of the structural count on
+    # CPU), for the activation estimate's per-family fractions on a GPU.
+    "phi3mini": dict(
+        model_type="phi3",
+        hidden_size=3072,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=8192,
+        vocab_size=32064,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,

@@ -234,10 +234,21 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
 
 
 def _qwen15b():
+    """Qwen2.5-1.5B's shape and its parameter count (tied embeddings)."""
     from transformers import AutoConfig
 
     shape = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, tie_word_embeddings=True)
-    return AutoConfig.for_model("qwen2", vocab_size=151936, num_attention_heads=12, num_key_value_heads=2, **shape)
+    config = AutoConfig.for_model("qwen2", vocab_size=151936, num_attention_heads=12, num_key_value_heads=2, **shape)
+    return config, 1_543_714_304
+
+
+def _phi3mini():
+    """Phi-3-mini's shape and its parameter count."""
+    from transformers import AutoConfig
+
+    shape = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, tie_word_embeddings=False)
+    config = AutoConfig.for_model("phi3", vocab_size=32064, num_attention_heads=32, num_key_value_heads=32, **shape)
+    return config, 3_821_079_552
 
 
 # `benchmarks/train_throughput.py --modes D<N>b<budget>` on an H100 (2026-12-05): the worker's one-GPU step with N
@@ -251,23 +262,25 @@ H100_PEAKS = [
     *[("qwen1.5b", 32359, n, 1.0, gib) for n, gib in ((14, 51.09), (28, 23.13))],
     *[("qwen1.5b", 15773, n, b, gib) for n, b, gib in ((0, 1.0, 48.41), (0, 0.99, 39.15), (28, 0.99, 21.93))],
     ("1b", 65536, 2, 0.99, 63.0),  # benchmarks/workload.py llama1b-64k, `auto` on the H100
+    # Phi-3-mini's shape (multi-head K/V): its layer keeps 0.84 of the structural count, not a Llama layer's 0.71
+    *[("phi3mini", 8090, n, 1.0, gib) for n, gib in ((24, 51.57), (16, 57.60))],
 ]
 
 
 @pytest.mark.parametrize("model, row_tokens, layers, budget, measured_gib", H100_PEAKS)
 def test_the_estimate_covers_every_h100_peak_closely(model, row_tokens, layers, budget, measured_gib):
-    """Llama-3.2-1B and Qwen2.5-1.5B shapes, 16k-64k-token rows, none to every layer checkpointed, budgets 1 and 0.99:
-    the estimate is never under a measured peak, at most 15% over where activations are most of it (the estimate
-    before these points was up to 18% over there), and 20% where the state is (its gradients, mostly not yet made at
-    the peak, and the 2 GiB overhead are most of the difference)."""
+    """Llama-3.2-1B, Qwen2.5-1.5B and Phi-3-mini shapes, 8k-64k-token rows, none to every layer checkpointed,
+    budgets 1 and 0.99: the estimate is never under a measured peak, at most 16% over where activations are most of
+    it (the estimate before these points was up to 18% over there, and 9% under Phi-3's layer), and 20% where the
+    state is (its gradients, mostly not yet made at the peak, and the 2 GiB overhead are most of the difference)."""
     if model == "1b":
         config, state = _state("1b")
     else:
-        config = _qwen15b()
-        params = 1_543_714_304  # the shape's parameters (tied embeddings)
+        config, params = _qwen15b() if model == "qwen1.5b" else _phi3mini()
         state = state_bytes(params, 0.0, "single", 1, params, config.num_hidden_layers)
     estimate = peak_bytes(config, layers, row_tokens, state, budget=budget)
-    assert measured_gib * GIB <= estimate <= (1.15 if measured_gib >= 40 else 1.2) * measured_gib * GIB
+    activations_most = estimate - state > state
+    assert measured_gib * GIB <= estimate <= (1.16 if activations_most else 1.2) * measured_gib * GIB
 
 
 @pytest.mark.parametrize(
