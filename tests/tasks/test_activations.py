@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -233,22 +234,24 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
     assert measured_gib * GIB <= estimate <= 1.3 * measured_gib * GIB
 
 
-def _qwen15b():
-    """Qwen2.5-1.5B's shape and its parameter count (tied embeddings)."""
-    from transformers import AutoConfig
+# The other shapes measured on the H100, as `benchmarks/train_throughput.py`'s presets build them.
+MEASURED_SHAPES = {
+    "qwen1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, vocab_size=151936,
+                               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
+    "phi3mini": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, vocab_size=32064,
+                              num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)),
+}  # fmt: skip
 
-    shape = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, tie_word_embeddings=True)
-    config = AutoConfig.for_model("qwen2", vocab_size=151936, num_attention_heads=12, num_key_value_heads=2, **shape)
-    return config, 1_543_714_304
 
+def _measured_shape(name: str):
+    """One of `MEASURED_SHAPES` as a config, and its parameters counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-def _phi3mini():
-    """Phi-3-mini's shape and its parameter count."""
-    from transformers import AutoConfig
-
-    shape = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, tie_word_embeddings=False)
-    config = AutoConfig.for_model("phi3", vocab_size=32064, num_attention_heads=32, num_key_value_heads=32, **shape)
-    return config, 3_821_079_552
+    model_type, fields = MEASURED_SHAPES[name]
+    config = AutoConfig.for_model(model_type, pad_token_id=0, **fields)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return config, params
 
 
 # `benchmarks/train_throughput.py --modes D<N>b<budget>` on an H100 (2026-12-05): the worker's one-GPU step with N
@@ -276,7 +279,7 @@ def test_the_estimate_covers_every_h100_peak_closely(model, row_tokens, layers, 
     if model == "1b":
         config, state = _state("1b")
     else:
-        config, params = _qwen15b() if model == "qwen1.5b" else _phi3mini()
+        config, params = _measured_shape(model)
         state = state_bytes(params, 0.0, "single", 1, params, config.num_hidden_layers)
     estimate = peak_bytes(config, layers, row_tokens, state, budget=budget)
     activations_most = estimate - state > state
@@ -496,6 +499,7 @@ def _saved_and_backward(
 
     torch._dynamo.reset()  # compile again under this budget
     if config is not None:
+        config = copy.deepcopy(config)  # one layer of it, the caller's left as given
         config.num_hidden_layers = 1
     elif family is None:
         config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
@@ -631,8 +635,8 @@ def test_each_familys_layer_keeps_no_more_than_the_estimate_counts(shape):
 
     model_type, fields = REAL_SHAPES[shape]
     special = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    full, _, _ = _saved_and_backward(1.0, config=AutoConfig.for_model(model_type, **special, **fields))
     config = AutoConfig.for_model(model_type, **special, **fields)
+    full, _, _ = _saved_and_backward(1.0, config=config)
     measured = GPU_OVER_CPU * full / 128
     assert 0.95 * layer_bytes_per_token(config) <= measured <= layer_bytes_per_token(config)
 
