@@ -22,10 +22,13 @@ a gap character belongs to the token that actually contains it. For tokenizers w
     mask          0        0    0  0     0       0       0          0      0    1        1      0
 
 BOS (`bos="auto"`) is prepended, untrained, only when the tokenizer adds it itself when encoding with special
-tokens and the text does not already start with it. EOS: `never`; `always` appends it (trained) unless the last
-token is already EOS; `auto` appends it (trained) only when the text ends inside a trained span whose last token is
-not EOS (for example `text_spans` records or a template that writes no end-of-turn token), so a document that ends
-in an untrained turn, or whose trained turn already ends with EOS, is left alone.
+tokens and the text does not already start with it. EOS looks at the document's last token that is not whitespace
+(templates end a turn with a stop and a newline, `<|im_end|>\n`): `never` adds nothing; `always` appends EOS (trained)
+unless that token is already EOS; `auto` appends it (trained) only when that token is trained and is no end-of-turn
+token (EOS or any of the tokenizer's special added tokens: `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `<|end|>`),
+for example `text_spans` records or a template that writes no stop. So a stop the template already trains is never
+doubled (Hugging Face's `return_assistant_tokens_mask` trains `<|im_end|>\n` once), and a document that ends in an
+untrained turn is left alone.
 """
 
 from __future__ import annotations
@@ -186,6 +189,38 @@ def _encodings(docs: list[RenderedDoc], backend, fast: FastBPE | None, batch_siz
             yield ours if ours is not None else _hf_arrays(backend.encode(text, add_special_tokens=False))
 
 
+def _end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """EOS and the tokenizer's special added tokens: the markers a template ends a turn with (`<|im_end|>`,
+    `<|eot_id|>`, `<end_of_turn>`, `<|end|>`), which need not be the tokenizer's EOS."""
+    ids = {tokenizer.eos_token_id}
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return frozenset(i for i in ids if i is not None)
+
+
+def _last_visible_token(text: str, offsets: np.ndarray) -> int:
+    """Index of the last token that is not whitespace alone, or -1: the token whose characters reach past the text's
+    trailing whitespace."""
+    end = len(text.rstrip())
+    for i in range(len(offsets) - 1, -1, -1):
+        if offsets[i, 0] < end and offsets[i, 1] > offsets[i, 0]:
+            return i
+    return -1
+
+
+def _adds_eos(policy: str, text: str, ids, offsets, mask, eos_id: int, stops: frozenset[int]) -> bool:
+    """Whether the EOS policy appends a trained EOS to this document (see the module docstring)."""
+    if policy == "never" or len(ids) == 0:
+        return False
+    last = _last_visible_token(text, offsets)
+    if last < 0:
+        return policy == "always"
+    if policy == "always":
+        return int(ids[last]) != eos_id
+    return bool(mask[last]) and int(ids[last]) not in stops
+
+
 def _tokenize(
     docs: list[RenderedDoc], tokenizer, config: SpansConfig
 ) -> tuple[list[TokenizedDoc], Counter, int, Literal["hf", "tiktoken"]]:
@@ -194,19 +229,20 @@ def _tokenize(
     eos_id = tokenizer.eos_token_id
     if config.eos != "never" and eos_id is None:
         raise ValueError(f"eos: policy {config.eos!r} needs an eos_token, and the tokenizer has none; use eos='never'")
+    stops = _end_of_turn_ids(tokenizer) if eos_id is not None else frozenset()
     fast = _fast_encoder(docs, tokenizer, backend, config.tokenizer_backend)
     out: list[TokenizedDoc] = []
     rejected: Counter[str] = Counter()
     truncated = 0
     for doc, (ids, offsets) in zip(docs, _encodings(docs, backend, fast, config.batch_size), strict=True):
         mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
+        add_eos = eos_id is not None and _adds_eos(config.eos, doc.text, ids, offsets, mask, eos_id, stops)
         if bos_id is not None and (len(ids) == 0 or ids[0] != bos_id):
             ids = np.concatenate(([bos_id], ids))
             mask = np.concatenate(([False], mask))
-        if eos_id is not None and len(ids) and ids[-1] != eos_id:
-            if config.eos == "always" or (config.eos == "auto" and mask[-1]):
-                ids = np.concatenate((ids, [eos_id]))
-                mask = np.concatenate((mask, [True]))
+        if add_eos:
+            ids = np.concatenate((ids, [eos_id]))
+            mask = np.concatenate((mask, [True]))
         if not mask.any():
             rejected["no_trained_tokens"] += 1
             continue

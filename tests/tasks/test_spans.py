@@ -235,8 +235,12 @@ def test_eos_policy(tiny_tokenizer):
     assert counts == [0, 0, 1]
     assert out[2].input_ids[-1] == eos and out[2].loss_mask()[-1] == 1
     counts, out = added(SpansConfig(bos="never", eos="always"))
-    assert counts == [1, 0, 1]
-    assert out[0].input_ids[-1] == eos and out[0].loss_mask()[-1] == 1
+    assert counts == [0, 0, 1]  # the chat's last visible token is EOS already: a second would double the stop
+    assert out[2].input_ids[-1] == eos and out[2].loss_mask()[-1] == 1
+    prose = _doc("A closing line.\n", [(0, 16)])
+    (before,), _ = tokenize_docs([prose], tiny_tokenizer, RAW)
+    (after,), _ = tokenize_docs([prose], tiny_tokenizer, SpansConfig(bos="never", eos="always"))
+    assert after.input_ids.tolist() == [*before.input_ids.tolist(), eos]
 
 
 def test_length_policies_and_rejects(tiny_tokenizer):
@@ -321,3 +325,62 @@ def test_spans_config_validation_names_the_field(tiny_tokenizer):
         SpansConfig(eos="sometimes")
     with pytest.raises(pydantic.ValidationError, match="length_policy"):
         SpansConfig(length_policy="wrap")
+
+
+# Real tokenizers and templates from ../shared/data: (tokenizer folder, template file or None for the tokenizer's own,
+# mask policy). Each template ends an assistant turn with a stop and a newline.
+STOP_CASES = [
+    ("smollm2-135m-chatml", "trl-qwen2_5_training.jinja", "generation"),
+    ("smollm2-135m-chatml", None, "roles"),
+    ("smollm2-135m-chatml", "smollm2-trl-chatml.jinja", "roles"),
+    ("tinyllama-1.1b-chat-v1.0", None, "roles"),
+]
+STOP_RECORD = {
+    "messages": [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+}
+
+
+@pytest.mark.parametrize(("folder", "template_file", "policy"), STOP_CASES)
+@pytest.mark.parametrize("eos", ["auto", "always"])
+def test_a_trained_stop_is_never_doubled(folder, template_file, policy, eos, shared_data):
+    from transformers import AutoTokenizer
+
+    from sftflow.tasks.data.spans import _end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(shared_data / "tokenizers" / folder)
+    if template_file is None:
+        template = ChatTemplate(tokenizer.chat_template, dict(eos_token=tokenizer.eos_token, bos_token="<s>"))
+    else:
+        text = (shared_data / "templates" / template_file).read_text()
+        template = ChatTemplate(text, dict(eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token or ""))
+    doc = render_record(STOP_RECORD, template, RenderConfig(mask_policy=policy), "chat.jsonl:1")
+    (out,), _ = tokenize_docs([doc], tokenizer, SpansConfig(bos="never", eos=eos))
+    ids, mask = out.input_ids.tolist(), out.loss_mask().astype(bool).tolist()
+    stops = _end_of_turn_ids(tokenizer)
+    # Each trained run (one assistant turn) holds exactly one stop, and no stop follows it: the model learns to say
+    # its stop once. The last turn ends the record, so it teaches the stop too.
+    runs = mask_to_spans(np.asarray(mask)).tolist()
+    assert len(runs) == 2
+    for start, end in runs:
+        assert sum(i in stops for i in ids[start:end]) == 1, tokenizer.convert_ids_to_tokens(ids[start:end])
+    assert sum(i in stops for i in ids[runs[-1][0] :]) == 1, tokenizer.convert_ids_to_tokens(ids[runs[-1][0] :])
+
+
+def test_eos_auto_masks_equal_hugging_face_on_a_tagged_template(shared_data):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(shared_data / "tokenizers" / "smollm2-135m-chatml")
+    text = (shared_data / "templates" / "trl-qwen2_5_training.jinja").read_text()
+    template = ChatTemplate(text, dict(eos_token=tokenizer.eos_token))
+    doc = render_record(STOP_RECORD, template, RenderConfig(), "chat.jsonl:1")
+    (out,), _ = tokenize_docs([doc], tokenizer, SpansConfig(bos="never"))  # eos: auto, the default
+    hf = tokenizer.apply_chat_template(
+        STOP_RECORD["messages"], chat_template=text, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert out.input_ids.tolist() == hf["input_ids"]
+    assert out.loss_mask().tolist() == hf["assistant_masks"]
