@@ -151,12 +151,14 @@ def test_bf16_training_follows_fp32_masters_with_a_bf16_copy(device):
     """30 steps of a bf16 model: `MasterAdamW` (the Triton kernel on CUDA) against the textbook mixed-precision
     loop, torch's fused AdamW on separate fp32 masters and a fresh bf16 copy of them for each step's forward.
 
-    On the CPU the two agree to the last bit of the loss. On an H200 they drift apart from about step 14 (at this
-    lr, 1e-2): a last-bit difference in a master flips a bf16 rounding of the parameter, and the next steps amplify
-    it. `MasterAdamW` with the PyTorch reference step drifts as far as with the Triton kernel (loss 3.3e-3 vs
-    4.3e-3 relative at worst, masters 2.4e-3 vs 2.6e-3 of their largest value; `benchmarks/RESULTS.md`), so CUDA is
-    held to that drift with room, 2e-2 and 1e-2; a wrong update (bias correction, clipping, decay) is far outside."""
-    loss_rtol, master_tol = (1e-3, None) if device == "cpu" else (2e-2, 1e-2)
+    The first step starts from the same bf16 weights, so both see the same gradients, and the masters after it
+    agree to float32 rounding: a wrong update (bias correction, clipping, decay) shows there. After that the two
+    loops drift apart on every device: a last-bit difference in a master (the update's summation order, which the
+    CPU's instruction set changes too: AVX2 and AVX-512 machines differ) flips a bf16 rounding of the parameter,
+    and the next steps amplify it. On an H200 they part from about step 14 at this lr (1e-2); `MasterAdamW` with
+    the PyTorch reference step drifts as far as with the Triton kernel (loss 3.3e-3 vs 4.3e-3 relative at worst,
+    masters 2.4e-3 vs 2.6e-3 of their largest value; `benchmarks/RESULTS.md`), so all 30 steps are held to that
+    drift with room, 2e-2 and 1e-2, on the CPU as on CUDA."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
     masters = copy.deepcopy(net)
@@ -177,12 +179,13 @@ def test_bf16_training_follows_fp32_masters_with_a_bf16_copy(device):
         with torch.no_grad():
             for m, c in zip(masters.parameters(), compute.parameters(), strict=True):
                 c.copy_(m)
-        torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=1e-6)
+        if step == 0:
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+            for p, m in zip(net.parameters(), masters.parameters(), strict=True):
+                torch.testing.assert_close(opt.master(p), m.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-6)
     for p, m in zip(net.parameters(), masters.parameters(), strict=True):
-        if master_tol is None:
-            torch.testing.assert_close(opt.master(p), m.detach(), rtol=1e-5, atol=1e-6)
-        else:
-            assert (opt.master(p) - m).abs().max() <= master_tol * m.abs().max()
+        assert (opt.master(p) - m).abs().max() <= 1e-2 * m.abs().max()
 
 
 def _in_backward(net: nn.Module, dtype: torch.dtype) -> MasterAdamW:
