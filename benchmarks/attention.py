@@ -1,7 +1,9 @@
-"""Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask.
+"""Varlen causal attention on one GPU: ours (triton) vs torch varlen_attn vs FlexAttention with a document BlockMask,
+and FlashAttention-4 (through sftflow's op, `flash_attn_4`, and called directly, `fa4-direct`).
 
     python benchmarks/attention.py [--docs packed|long] [--sweep] [--rounds N] [--out results.md]
-        [--variants triton triton-pack triton-pointers triton-tma torch flex]
+        [--variants triton triton-pack triton-pointers triton-tma torch flex flash_attn_4 fa4-nondet fa4-direct
+         dispatch]
 
 `--docs packed` (default): one packed row of T=16384 tokens, document lengths lognormal (median 600, sigma 1,
 clipped to [16, 4096]; the last document is cut to fill the row). `--docs long`: one row of T=65536 tokens of long
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+from unittest import mock
 
 import numpy as np
 import torch
@@ -95,6 +99,21 @@ def flex_fn(lengths, T, H, K):
     return run
 
 
+def fa4_direct(q, k, v, cu, max_len):
+    """FlashAttention-4 as its users call it: `flash_attn.cute.flash_attn_varlen_func`, its own autograd function."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True
+    )[0]
+
+
+def variant_env(name: str):
+    """`fa4-nondet`: sftflow's FlashAttention-4 op with `SFTFLOW_FA4_DETERMINISTIC=0` while the variant is timed."""
+    changes = {"SFTFLOW_FA4_DETERMINISTIC": "0"} if name == "fa4-nondet" else {}
+    return mock.patch.dict(os.environ, changes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", choices=sorted(DOCS), default="packed")
@@ -134,6 +153,12 @@ def main() -> None:
         for name in args.variants:
             if name == "flex":
                 fns[name] = flex_fn(lengths, T, H, K)
+            elif name == "fa4-direct":
+                fns[name] = fa4_direct
+            elif name == "fa4-nondet":  # FlashAttention-4's backward without its deterministic mode (`variant_env`)
+                fns[name] = lambda q, k, v, cu, m: varlen_attention(q, k, v, cu, m, backend="flash_attn_4")
+            elif name == "dispatch":  # what training runs: the first backend available here
+                fns[name] = lambda q, k, v, cu, m: varlen_attention(q, k, v, cu, m)
             elif name in FLAG_VARIANTS:
                 fns[name] = lambda q, k, v, cu, m, c=FLAG_VARIANTS[name]: triton_varlen_attention(
                     q, k, v, cu, m, D**-0.5, config=c
@@ -153,11 +178,14 @@ def main() -> None:
                     return torch.autograd.grad(fn(q, k, v, cu, max_len), (q, k, v), do)
 
                 try:
-                    with torch.no_grad():
+                    with torch.no_grad(), variant_env(name):
                         o = fn(q, k, v, cu, max_len).float()
                     errs[name] = ((o - ref).norm() / ref.norm()).item()
-                    ms_f = do_bench(lambda fn=fn: fn(q, k, v, cu, max_len), warmup=100, rep=500, return_mode="median")
-                    ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
+                    with variant_env(name):
+                        ms_f = do_bench(
+                            lambda fn=fn: fn(q, k, v, cu, max_len), warmup=100, rep=500, return_mode="median"
+                        )
+                        ms_fb = do_bench(fb, warmup=100, rep=500, return_mode="median")
                 except OutOfResources as oor:  # a variant's tiles over this GPU's shared memory: the others still run
                     print(f"({H}, {K}, {D}) {name}: skipped, {oor}", flush=True)
                     del fns[name]

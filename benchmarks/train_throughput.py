@@ -87,6 +87,7 @@ import time
 import traceback
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -317,11 +318,40 @@ def dynamo_stats() -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def register_baseline_attention(device: torch.device) -> str:
-    """Register `bench_torch_varlen` (torch `varlen_attn`, causal within each document). Returns what it runs.
+def register_fa4_baseline_attention() -> str:
+    """Register FlashAttention-4 as a peer's attention, the way its users call it: `flash_attn.cute`'s
+    `flash_attn_varlen_func` in a transformers attention function, GQA native, outside the compiled graph (its
+    autograd function does not trace)."""
+    from flash_attn.cute import flash_attn_varlen_func
+    from transformers import AttentionInterface
+
+    @torch.compiler.disable
+    def attend(q, k, v, cu, max_len, scaling):
+        return flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+            softmax_scale=scaling, causal=True,
+        )[0]  # fmt: skip
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
+        if torch.is_autocast_enabled("cuda"):  # as for torch varlen_attn below: RoPE promoted q and k to fp32
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (x.to(dtype) for x in (q, k, v))
+        return attend(q, k, v, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scaling).unsqueeze(0), None
+
+    AttentionInterface.register(BASELINE_ATTENTION, attention)
+    return "FlashAttention-4 flash_attn_varlen_func (GQA native, outside the graph)"
+
+
+def register_baseline_attention(device: torch.device, kind: str = "torch") -> str:
+    """Register `bench_torch_varlen` (torch `varlen_attn`, causal within each document; `kind="fa4"`:
+    FlashAttention-4). Returns what it runs.
 
     The signature is inspected here, once, so the function itself stays free of Python introspection (compile)."""
     from transformers import AttentionInterface
+
+    if kind == "fa4":
+        return register_fa4_baseline_attention()
 
     if device.type != "cuda":  # CPU plumbing runs only: the block-diagonal SDPA reference
         from sftflow.kernels.attention import varlen_attention
@@ -515,6 +545,8 @@ class Bench:
         from sftflow.tasks.train import config as cfg
 
         self.on_oom = None
+        self.peer_attention = "torch"  # a peer mode's attention: torch varlen_attn, or "fa4" (a mode named X@fa4)
+        self.label = ""  # the mode as named on the command line (D@triton), for its files
         self.train_config = cfg.TrainConfig(data="unused", plan="unused", model="unused", out="unused")
         self.optim_c = cfg.optim_config(self.train_config)
 
@@ -657,7 +689,7 @@ class Bench:
         warmup = args.compile_warmup if compiled else args.warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps, rank=self.env.rank)
         totals = step_totals(self.plan, self.dataset, warmup + args.steps)
-        attention = register_baseline_attention(self.device)
+        attention = register_baseline_attention(self.device, self.peer_attention)
         with liger_llama_kernels(liger_all):
             lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
         self.set_shape(lm)
@@ -696,7 +728,7 @@ class Bench:
         args = self.args
         warmup = args.compile_warmup if compiled else args.warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
-        attention = register_baseline_attention(self.device)
+        attention = register_baseline_attention(self.device, self.peer_attention)
         with liger_llama_kernels(liger_all):
             lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False)
         self.set_shape(lm)
@@ -738,7 +770,7 @@ class Bench:
         args, device = self.args, self.device
         warmup = args.compile_warmup
         rows = packed_rows(self.plan, self.dataset, warmup + args.steps)
-        attention = register_baseline_attention(device)
+        attention = register_baseline_attention(device, self.peer_attention)
         lm = self.build_lm(BASELINE_ATTENTION, packed_worker=False).to(torch.bfloat16)
         self.set_shape(lm, lora=True)
         peft_config = LoraConfig(
@@ -896,8 +928,10 @@ class Bench:
         from sftflow.kernels.cross_entropy import select_backend as ce_backend
 
         dtype = self.param_dtype
+        c = self.lm_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         extra = {
-            "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, 64).name}, "
+            "what": f"sftflow worker step: attention {attention_backend(env.device, dtype, head_dim).name}, "
             f"CE {ce_backend(env.device, dtype).name}, compile={compile_mode}, parallel={parallel}, "
             f"activation checkpointing {checkpointing}, activation memory budget {budget}"
             + (f", LoRA r{LORA_RANK} all-linear" if lora else "")
@@ -925,7 +959,7 @@ class Bench:
             if wanted and first_extra + args.profile_steps <= plan.num_steps:
                 profiled = range(first_extra, first_extra + args.profile_steps)
                 result["profile"] = profile_steps(
-                    step, profiled, env.device, profile_dir / f"profile_{name}.txt", args.trace
+                    step, profiled, env.device, profile_dir / f"profile_{self.label.replace('@', '-')}.txt", args.trace
                 )
             return result
         finally:
@@ -989,7 +1023,9 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool 
     groups: dict[str, float] = {}
     for key, t in kernels:
         k = key.lower()
-        if "nccl" in k or "memcpy" in k or "memset" in k or "copy" in k:
+        if "flash_attn" in k:  # FlashAttention-4's CuTe kernels, whose names also hold "cutlass" and "sm90"
+            group = "attention"
+        elif "nccl" in k or "memcpy" in k or "memset" in k or "copy" in k:
             group = "copies/nccl"
         elif "gemm" in k or "nvjet" in k or "cutlass" in k or "sm90" in k or "xmma" in k or "cublas" in k:
             group = "matmul (cuBLAS)"
@@ -1202,12 +1238,48 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# A mode's @suffix: the sftflow attention backend it forces (sdpa: the CPU reference)
+ATTENTIONS = {"fa4": "flash_attn_4", "triton": "triton", "torch": "torch", "sdpa": "sdpa"}
+
+
+def known_mode(mode: str) -> bool:
+    base, at, attention = mode.partition("@")
+    return (base in MODES or COUNTED_MODE.fullmatch(base) is not None) and (not at or attention in ATTENTIONS)
+
+
+def sftflow_mode(base: str) -> bool:
+    return base.startswith("D") or base in ("L", "Q")
+
+
+@contextlib.contextmanager
+def mode_attention(bench: Bench, base: str, attention: str):
+    """A mode named `X@fa4` / `X@triton` / `X@torch` / `X@sdpa` runs with that attention: sftflow's modes (D..., L,
+    Q) through `SFTFLOW_ATTENTION` (the dispatch's override), the peers through their registered attention function
+    (`fa4`: FlashAttention-4's own varlen function, as its users call it; `torch`: torch varlen_attn)."""
+    if not attention:
+        yield
+        return
+    if not sftflow_mode(base):
+        if attention not in ("fa4", "torch"):
+            raise ValueError(f"mode {base}@{attention}: a peer runs @fa4 or @torch")
+        bench.peer_attention = attention
+        try:
+            yield
+        finally:
+            bench.peer_attention = "torch"
+        return
+    with mock.patch.dict(os.environ, {"SFTFLOW_ATTENTION": ATTENTIONS[attention]}):
+        yield
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--modes",
         default="D,B,A,C,De",
-        help=f"comma-separated, in order: some of {','.join(MODES)}, or D<N>[b<budget>] (N layers checkpointed)",
+        help=f"comma-separated, in order: some of {','.join(MODES)}, or D<N>[b<budget>] (N layers checkpointed); "
+        "a suffix @fa4, @triton or @torch sets the mode's attention (D@triton: sftflow with its Triton kernels, "
+        "Cn@fa4: the peer with FlashAttention-4)",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -1282,13 +1354,13 @@ def main(argv=None) -> dict:
             return report
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = {m for m in modes if m not in MODES and not COUNTED_MODE.fullmatch(m)}
+    unknown = {m for m in modes if not known_mode(m)}
     if unknown:
         raise ValueError(f"--modes: unknown mode(s) {sorted(unknown)}; expected some of {list(MODES)}")
     env = init_single_process(args.device)
     if env.world_size > 1:
         # Under torchrun: the FSDP baselines on every rank, each its own rows of one plan; rank 0 reports.
-        if set(modes) - MULTI_GPU_MODES:
+        if {m.partition("@")[0] for m in modes} - MULTI_GPU_MODES:
             raise ValueError(
                 f"--modes: on {env.world_size} ranks only {sorted(MULTI_GPU_MODES)} run (sftflow's own multi-GPU "
                 "step is benchmarks/workload.py with --set train.nproc=N)"
@@ -1334,10 +1406,11 @@ def main(argv=None) -> dict:
         from sftflow.tasks.train.activations import apply_memory_budget
 
         for mode in modes:
-            if counted := COUNTED_MODE.fullmatch(mode):
+            base, _, attention = mode.partition("@")
+            if counted := COUNTED_MODE.fullmatch(base):
                 count, override = int(counted[1]), counted[2]
-                runners[mode] = partial(
-                    bench.mode_d, mode, None, checkpointing=count, budget_override=override and float(override)
+                runners[base] = partial(
+                    bench.mode_d, base, None, checkpointing=count, budget_override=override and float(override)
                 )
             if time.perf_counter() - t_start > args.budget_s:
                 report["results"].append({"mode": mode, "error": "skipped: time budget spent"})
@@ -1346,8 +1419,11 @@ def main(argv=None) -> dict:
             apply_memory_budget(1.0)  # torch's default: a peer never inherits the budget a D mode set
             left_over = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
             t_mode = time.perf_counter()
+            bench.label = mode
             try:
-                result = runners[mode]()
+                with mode_attention(bench, base, attention):
+                    result = runners[base]()
+                result["mode"] = mode
             except Exception as err:
                 traceback.print_exc()
                 result = {"mode": mode, "error": f"{type(err).__name__}: {err}"}

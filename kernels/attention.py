@@ -14,8 +14,9 @@ Backends (``SFTFLOW_ATTENTION=<name>`` forces one; otherwise the first available
 
 | backend      | needs                                             |
 |--------------|---------------------------------------------------|
+| ``flash_attn_4`` | flash-attn-4 (``pip install flash-attn-4``), sm_90+, fp16/bf16, head dim 8-256 (multiple of 8) |
 | ``triton``   | triton and CUDA (or ``TRITON_INTERPRET=1`` on CPU); head dim <= 256 by default |
-| ``flash_attn`` | the flash-attn package, CUDA, fp16/bf16          |
+| ``flash_attn`` | the flash-attn (FlashAttention-2) package, CUDA, fp16/bf16 |
 | ``torch``    | ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), CUDA, fp16/bf16 |
 | ``sdpa``     | nothing: SDPA on each document alone; the CPU reference (a Python loop over documents) |
 """
@@ -37,8 +38,9 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def _flash_attn_available(device: torch.device, dtype: torch.dtype) -> str | None:
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash_attn is not installed"
+    # flash-attn-4 installs `flash_attn.cute` alone; FlashAttention-2 is the `flash_attn_2_cuda` extension.
+    if importlib.util.find_spec("flash_attn_2_cuda") is None:
+        return "flash_attn (FlashAttention-2) is not installed"
     if device.type != "cuda":
         return f"flash_attn needs CUDA, tensors are on {device.type}"
     if dtype not in HALF:
@@ -66,17 +68,29 @@ def _sdpa_available(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _flash_attn_4_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    from sftflow.kernels.attention_fa4 import unavailable_reason
+
+    return unavailable_reason(device, dtype)
+
+
 BACKENDS = {
+    "flash_attn_4": _flash_attn_4_available,
     "flash_attn": _flash_attn_available,
     "triton": _triton_available,
     "torch": _torch_varlen_available,
     "sdpa": _sdpa_available,
 }
-# CUDA order from benchmarks/RESULTS.md (## Kernels): on the H200 our Triton kernel ran forward+backward 1.35-1.69x
-# faster than torch varlen_attn (FlashAttention-2 inside torch) at D=64 and D=128, so it comes first; flash_attn
-# (FA2 too) was not installed there and was not measured. Head dims above 256 skip triton (not tuned or tested).
-PREFERENCE = {"cuda": ("triton", "flash_attn", "torch", "sdpa"), "cpu": ("sdpa", "triton")}
+# CUDA order from benchmarks/RESULTS.md (## Kernels): on an H100, FlashAttention-4 ran forward+backward faster than
+# sftflow's Triton kernels on every measured shape (packed and long documents, head dims 64, 128 and 256), so it
+# comes first where it installs (Hopper and newer); the Triton kernels ran 1.35-1.69x faster than torch varlen_attn
+# (FlashAttention-2 inside torch) at D=64 and D=128 on the H200, so they come next and are the path for every other
+# GPU. flash_attn (FA2) was not installed there and was not measured. Head dims above 256 skip triton (not tuned or
+# tested); FlashAttention-4 is skipped for head dims it does not take or whose gradients were not verified.
+PREFERENCE = {"cuda": ("flash_attn_4", "triton", "flash_attn", "torch", "sdpa"), "cpu": ("sdpa", "triton")}
 TRITON_MAX_HEAD_DIM = 256
+# Backends whose forward and backward are `torch.library` ops: a compiled decoder layer calls them inside its graph.
+IN_GRAPH = ("flash_attn_4", "triton")
 
 
 def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
@@ -94,7 +108,17 @@ def select_backend(
     order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
     if head_dim is not None and head_dim > TRITON_MAX_HEAD_DIM:
         order = tuple(name for name in order if name != "triton")
-    return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
+    backends = BACKENDS
+    if head_dim is not None:  # FlashAttention-4 only at the head dims it takes: the log line says why not
+        from sftflow.kernels.attention_fa4 import head_dim_reason
+
+        available = BACKENDS["flash_attn_4"]
+
+        def fa4_at_this_head_dim(device: torch.device, dtype: torch.dtype) -> str | None:
+            return available(device, dtype) or head_dim_reason(head_dim, device)
+
+        backends = {**BACKENDS, "flash_attn_4": fa4_at_this_head_dim}
+    return dispatch.select(KERNEL, ENV_VAR, backends, order, device, dtype)
 
 
 def last_backend() -> dispatch.BackendChoice | None:
@@ -172,6 +196,12 @@ def _attention_flash_attn(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, wi
     )
 
 
+def _attention_flash_attn_4(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
+    from sftflow.kernels.attention_fa4 import fa4_varlen_attention
+
+    return fa4_varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window)
+
+
 def _attention_triton(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window):
     from sftflow.kernels.attention_triton import triton_varlen_attention
 
@@ -179,6 +209,7 @@ def _attention_triton(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, window
 
 
 IMPLEMENTATIONS = {
+    "flash_attn_4": _attention_flash_attn_4,
     "flash_attn": _attention_flash_attn,
     "triton": _attention_triton,
     "torch": _attention_torch,

@@ -51,11 +51,10 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from torch.utils.flop_counter import register_flop_formula
+
+from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops
 
 LOG2E = 1.4426950408889634
-# "No sliding window": larger than any row (the kernels compare positions with position - window in int32).
-NO_WINDOW = 2**30
 
 
 # Block shapes and program order per (head dim, GQA), from the H200 sweeps in benchmarks/attention.py (see
@@ -738,92 +737,21 @@ class _VarlenAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-# As `torch.library` custom ops, a compiled decoder layer calls the kernels inside its graph: no graph break around
-# the attention, and the gradient reaches the kernels in the layout they produced. (At a graph break, the compiled
-# backward made each q, k and v gradient contiguous in the (B, H, T, D) shape Hugging Face hands over, a
-# transposing copy of ~2.4 ms per 1B-model step on an H200.) Block shapes come from `resolve_config`.
-@torch.library.custom_op("sftflow::varlen_attention", mutates_args=())
-def varlen_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    scale: float,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for q (T, H, D), k and v (T, K, D) with stride 1 in D, and int32 `cu_seqlens` on their device.
-    `max_seqlen` (the longest document) picks the block shapes; `window`: each query sees at most this many keys,
-    itself included (`NO_WINDOW`: its whole document so far)."""
+def _op_forward(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    """(o, lse); `max_seqlen` (the longest document) picks the block shapes (`resolve_config`)."""
     T, H, D = q.shape
     config = resolve_config(D, H != k.shape[1], q.device, max_seqlen=max_seqlen)
     return _attention_forward(q, k, v, row_layout(cu_seqlens, T), scale, config, window)
 
 
-@varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale, window):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("sftflow::varlen_attention_backward", mutates_args=())
-def varlen_attention_backward_op(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    scale: float,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _op_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, window):
     T, H, D = q.shape
     config = resolve_config(D, H != k.shape[1], q.device, max_seqlen=max_seqlen)
     return _attention_backward(do, q, k, v, o, lse, row_layout(cu_seqlens, T), scale, config, window)
 
 
-@varlen_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, window):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, scale, window = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
-
-
-def _backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward_op(
-        grad_o, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.scale, ctx.window
-    )
-    return dq, dk, dv, None, None, None, None
-
-
-varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# FLOPs of the ops, for torch's flop counter and for the compiler's choice of what to recompute in the backward
-# (`torch._functorch.config.activation_memory_budget`), which counts an op without a formula as free and would run the
-# attention again rather than keep its output. The documents' lengths are data, not shapes: each query is counted as
-# seeing half of the longest document (or window).
-def _attention_flops(q_shape, max_seqlen: int, window: int) -> int:
-    T, H, D = q_shape
-    return 2 * 2 * T * H * D * max(min(max_seqlen, window, T) // 2, 1)
-
-
-@register_flop_formula(torch.ops.sftflow.varlen_attention)
-def _(q_shape, k_shape, v_shape, cu_shape, max_seqlen, scale, window, *args, out_shape=None, **kwargs) -> int:
-    return _attention_flops(q_shape, max_seqlen, window)
-
-
-@register_flop_formula(torch.ops.sftflow.varlen_attention_backward)
-def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, cu_shape, max_seqlen, scale, window, *args,
-      out_shape=None, **kwargs) -> int:  # fmt: skip
-    return 5 * _attention_flops(q_shape, max_seqlen, window) // 2  # dS, dP, dV, dK, dQ products: 2.5x the forward
+# `sftflow::varlen_attention` and its backward: what compiled decoder layers call inside their graph.
+varlen_attention_op, varlen_attention_backward_op = define_attention_ops("varlen_attention", _op_forward, _op_backward)
 
 
 def triton_varlen_attention(

@@ -3,9 +3,10 @@
 Each decoder layer's `forward` goes through `torch.compile(dynamic=True)`: one graph serves every layer and every row
 length, and inductor fuses the elementwise work around the matmuls (RMSNorm, RoPE, SiLU·mul, residual adds), which
 is about a quarter of an eager step on a 1B model (`benchmarks/RESULTS.md`). FSDP's hooks stay outside the
-compiled region. On the Triton backend sftflow's attention is a `torch.library` op (`sftflow::varlen_attention`)
-that the layer's graph calls: one graph per layer, and the gradients reach the kernels as they left them. Other
-backends run under `torch.compiler.disable`, a graph break in each layer.
+compiled region. On the FlashAttention-4 and Triton backends sftflow's attention is a `torch.library` op
+(`sftflow::fa4_varlen_attention`, `sftflow::varlen_attention`) that the layer's graph calls: one graph per layer, no
+host time spent at a graph break, and the gradients reach the kernels as they left them. Other backends run under
+`torch.compiler.disable`, a graph break in each layer.
 
 RoPE. Llama-style `apply_rotary_pos_emb` gets `q`/`k` as (B, H, T, D) views of the projections' (B, T, H, D)
 output. Inductor's fused RoPE wrote the (B, H, T, D) shape contiguously (a transposing, uncoalesced write), and its
@@ -81,17 +82,19 @@ def patch_rope_layout(layer: nn.Module) -> bool:
     return True
 
 
-def attention_in_graph(layers: list[nn.Module], device: torch.device | None, dtype: torch.dtype | None) -> bool:
-    """Whether compiled layers can call the attention inside their graph: when it dispatches to the Triton kernels
-    (a `torch.library` op) on `device` and `dtype`. Other backends stay behind a graph break."""
+def attention_in_graph(layers: list[nn.Module], device: torch.device | None, dtype: torch.dtype | None) -> str | None:
+    """The backend whose `torch.library` op compiled layers call inside their graph, when the attention dispatches to
+    one (FlashAttention-4 or the Triton kernels) on `device` and `dtype`; None: other backends stay behind a graph
+    break."""
     if device is None or dtype is None or not layers:
-        return False
+        return None
     head_dim = getattr(getattr(layers[0], "self_attn", None), "head_dim", None)
     if head_dim is None:
-        return False
-    from sftflow.kernels.attention import select_backend
+        return None
+    from sftflow.kernels.attention import IN_GRAPH, select_backend
 
-    return select_backend(device, dtype, head_dim).name == "triton"
+    name = select_backend(device, dtype, head_dim).name
+    return name if name in IN_GRAPH else None
 
 
 def compile_layers(
@@ -108,10 +111,10 @@ def compile_layers(
         torch._dynamo.config.suppress_errors = True
     from transformers import AttentionInterface
 
-    from sftflow.tasks.train.model import ATTENTION_NAME, sftflow_varlen_attention, sftflow_varlen_attention_op
+    from sftflow.tasks.train.model import ATTENTION_NAME, in_graph_attention, sftflow_varlen_attention
 
-    in_graph = attention_in_graph(layers, device, dtype)
-    attention = sftflow_varlen_attention_op if in_graph else torch.compiler.disable(sftflow_varlen_attention)
+    backend = attention_in_graph(layers, device, dtype)
+    attention = in_graph_attention(backend) if backend else torch.compiler.disable(sftflow_varlen_attention)
     AttentionInterface.register(ATTENTION_NAME, attention)
     rope = patch_rope_layout(layers[0]) if layers else False
     for layer in layers:
@@ -120,6 +123,6 @@ def compile_layers(
         "compile: %d decoder layers (dynamic shapes%s%s)",
         len(layers),
         ", T-major RoPE" if rope else "",
-        ", attention in the graph" if in_graph else "",
+        f", attention ({backend}) in the graph" if backend else "",
     )
-    return in_graph
+    return backend is not None

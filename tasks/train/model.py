@@ -77,14 +77,22 @@ def sftflow_varlen_attention(module, query, key, value, attention_mask, dropout=
     return out_THD.unsqueeze(0), None
 
 
-def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """`sftflow_varlen_attention` on the Triton backend, without the dispatch: its `torch.library` op is what a
-    compiled layer traces into its graph (`sftflow.tasks.train.compile`)."""
-    from sftflow.kernels.attention_triton import triton_varlen_attention
+def in_graph_attention(backend: str):
+    """`sftflow_varlen_attention` on one backend whose kernels are `torch.library` ops (`flash_attn_4`, `triton`),
+    without the dispatch: the op is what a compiled layer traces into its graph (`sftflow.tasks.train.compile`)."""
+    if backend == "flash_attn_4":
+        from sftflow.kernels.attention_fa4 import fa4_varlen_attention as attend
+    elif backend == "triton":
+        from sftflow.kernels.attention_triton import triton_varlen_attention as attend
+    else:
+        raise ValueError(f"attention backend {backend!r} has no torch.library op to trace")
 
-    q, k, v, cu_seqlens, max_seqlen, window = _packed_qkv(module, query, key, value, dropout, kwargs)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])  # varlen_attention's default
-    return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window).unsqueeze(0), None
+    def sftflow_varlen_attention_op(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        q, k, v, cu_seqlens, max_seqlen, window = _packed_qkv(module, query, key, value, dropout, kwargs)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])  # varlen_attention's default
+        return attend(q, k, v, cu_seqlens, max_seqlen, scale, window).unsqueeze(0), None
+
+    return sftflow_varlen_attention_op
 
 
 def register_attention() -> None:

@@ -221,7 +221,8 @@ def test_bad_inputs_are_value_errors():
 
 def test_dispatch_env_override_and_logging(monkeypatch, caplog):
     monkeypatch.setenv("SFTFLOW_ATTENTION", "flashy")
-    with pytest.raises(ValueError, match=r"expected one of \['flash_attn', 'sdpa', 'torch', 'triton'\]"):
+    expected = r"expected one of \['flash_attn', 'flash_attn_4', 'sdpa', 'torch', 'triton'\]"
+    with pytest.raises(ValueError, match=expected):
         attn.select_backend("cpu")
     monkeypatch.setenv("SFTFLOW_ATTENTION", "torch")
     with pytest.raises(ValueError, match="cannot run on cpu"):
@@ -237,9 +238,10 @@ def test_dispatch_env_override_and_logging(monkeypatch, caplog):
 
 @needs_triton
 def test_cuda_preference_without_a_gpu(monkeypatch):
-    """Choosing only inspects availability, so the CUDA order can be checked on CPU: ours first up to D=256, none
-    past it."""
+    """Choosing only inspects availability, so the CUDA order can be checked on CPU: without FlashAttention-4, ours
+    first up to D=256, none past it."""
     monkeypatch.delenv("SFTFLOW_ATTENTION", raising=False)
+    monkeypatch.setitem(attn.BACKENDS, "flash_attn_4", lambda device, dtype: "flash-attn-4 is not installed")
     assert attn.select_backend("cuda", torch.bfloat16, head_dim=128).name == "triton"
     assert attn.select_backend("cuda", torch.bfloat16, head_dim=256).name == "triton"
     assert attn.select_backend("cuda", torch.bfloat16, head_dim=512).name != "triton"

@@ -106,20 +106,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-def family_config(name: str, vocab_size: int):
+def family_config(name: str, vocab_size: int, head_dim: int | None = None):
+    """The family's small config; `head_dim` widens its heads to that size (the head count kept)."""
     from transformers import AutoConfig
 
     model_type, fields = FAMILY_CONFIGS[name]
+    if head_dim is not None:
+        fields = dict(fields)
+        if "head_dim" in fields:
+            fields["head_dim"] = head_dim
+        else:  # the head dim is the width over the heads
+            fields["hidden_size"] = head_dim * fields["num_attention_heads"]
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, **special, **fields)
 
 
-def save_family_model(name: str, vocab_size: int, folder: Path, seed: int = 0) -> Path:
+def save_family_model(name: str, vocab_size: int, folder: Path, seed: int = 0, head_dim: int | None = None) -> Path:
     """A random-init model of the family, saved as a Hugging Face folder (safetensors), fp32."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name, vocab_size), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(family_config(name, vocab_size, head_dim), dtype=torch.float32)
     # Random init gives near-uniform attention, where a window changes little; larger q/k weights sharpen it, so a
     # window (or its absence) moves the loss well past the test tolerance.
     with torch.no_grad():

@@ -14,15 +14,15 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.
 
 def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--modes", "D,D1b0.9"]
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--modes", "D,D1b0.9,De@sdpa"]
     cmd += ["--row-tokens", "256", "--median-length", "24", "--min-length", "4", "--max-length", "96"]
     cmd += ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "--profile-steps", "0", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "train_throughput.json").read_text())
     results = {r["mode"]: r for r in report["results"]}
-    assert set(results) == {"D", "D1b0.9"}
-    for mode in ("D", "D1b0.9"):
+    assert set(results) == {"D", "D1b0.9", "De@sdpa"}
+    for mode in ("D", "D1b0.9", "De@sdpa"):
         assert "error" not in results[mode], results[mode]
         assert results[mode]["timed_steps"] == 2
         assert results[mode]["tokens_per_s"] > 0
@@ -38,6 +38,8 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     assert "activation checkpointing 1," in counted["what"] and counted["memory_budget"] == 0.9
     assert 0 < counted["row_tokens_max"] <= 256
     assert counted["estimated_peak_gib"] > 0 and d["estimated_peak_gib"] > 0
+    # a mode's @suffix forces its attention backend, for that mode alone
+    assert "attention sdpa" in results["De@sdpa"]["what"] and "compile=off" in results["De@sdpa"]["what"]
 
 
 def test_a_baseline_runs_on_two_ranks_and_counts_both_ranks_tokens(tmp_path):

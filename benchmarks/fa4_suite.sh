@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The FlashAttention-4 GPU suite on one Hopper GPU, in priority order: the backend's GPU tests, the 1B training
+# benchmark on packed 16k rows and on 32k rows of long documents (sftflow with FA4 and with its Triton kernels, the
+# one-GPU peer with FA4, same process), the attention kernels, the model families on FA4, the other GPU tests.
+#
+#   bash benchmarks/fa4_suite.sh LOGDIR [STEP ...]   # flash-attn-4 and sftflow importable (pip install -e ".[hopper]")
+#
+# STEPs (default: all, in this order): tests_fa4 train_16k train_32k_long attention_packed attention_long
+# tests_families train_32k_long_triton tests_gpu_other. Each writes LOGDIR/<step>.log (and its benchmark's
+# JSON/Markdown) and appends "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps
+# run under `timeout`, so one that hangs costs its limit and no more. Figures from it are recorded in
+# benchmarks/RESULTS.md with the date, GPU and versions.
+set -u
+LOG=${1:?usage: fa4_suite.sh LOGDIR [STEP ...]}
+shift
+STEPS=${*:-tests_fa4 train_16k train_32k_long attention_packed attention_long tests_families train_32k_long_triton tests_gpu_other}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$LOG/../fa4-cache}
+TT="python3 benchmarks/train_throughput.py --preset llama1b --compile-warmup 8 --warmup 4 --profile-steps 3"
+LONG32="--row-tokens 32768 --median-length 16384 --min-length 4096 --max-length 32768"
+ATT="python3 benchmarks/attention.py --variants flash_attn_4 fa4-nondet fa4-direct triton torch"
+SHAPES="32,8,64;16,4,128;16,8,256"
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  echo "== $name: $*" | tee -a "$LOG/progress.txt"
+  timeout -k 10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$LOG/progress.txt"
+}
+
+python3 - >"$LOG/env.txt" 2>&1 <<'PY'
+import importlib.metadata as md, platform, torch, triton
+print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "torch", torch.__version__, "triton",
+      triton.__version__, "python", platform.python_version())
+for name in ("flash-attn-4", "nvidia-cutlass-dsl", "transformers", "liger-kernel"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "absent")
+from sftflow.kernels.attention import select_backend
+print(select_backend("cuda", torch.bfloat16, 64))
+PY
+
+for s in $STEPS; do
+  case $s in
+    tests_fa4) step "$s" 480 python3 -m pytest -q tests/kernels/test_attention_fa4.py -p no:cacheprovider ;;
+    train_16k) step "$s" 560 $TT --modes D,Cn@fa4,D@triton --steps 100 --out "$LOG/$s" ;;
+    train_16k_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 100 --out "$LOG/$s" ;;
+    train_32k_long_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 40 $LONG32 --out "$LOG/$s" ;;
+    train_32k_long) step "$s" 590 $TT --modes D,Cn@fa4 --steps 100 $LONG32 --out "$LOG/$s" ;;
+    train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
+    attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
+    attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
+    tests_families) step "$s" 480 python3 -m pytest -q tests/tasks/test_families.py -k flash_attn_4 -p no:cacheprovider ;;
+    tests_families_a) step "$s" 300 python3 -m pytest -q tests/tasks/test_families.py -p no:cacheprovider \
+      -k "flash_attn_4 and (phi4_mini or mistral or gemma3)" ;;
+    tests_families_b) step "$s" 300 python3 -m pytest -q tests/tasks/test_families.py -p no:cacheprovider \
+      -k "flash_attn_4 and (qwen2_5 or qwen3_moe or smollm3)" ;;
+    tests_gpu_other) step "$s" 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tasks/test_activations.py \
+      tests/tasks/test_single_device.py ;;
+    *) echo "unknown step $s" | tee -a "$LOG/progress.txt" ;;
+  esac
+done
+touch "$LOG/DONE"
