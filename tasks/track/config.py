@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import urllib.parse
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+def without_credentials(uri: str) -> tuple[str, tuple[str, str] | None]:
+    """`uri` without a `user:password@` part, and that part (unquoted), or None."""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    return bare, (urllib.parse.unquote(user), urllib.parse.unquote(password))
 
 
 class MLflowTarget(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    uri: str = Field(description="tracking server URI (http://host:5000) or a local store (file:, sqlite:)")
+    uri: str = Field(
+        description="tracking server URI (http://host:5000) or a local store (file:, sqlite:); credentials go in "
+        "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (a URI's user:password@ is moved there)"
+    )
     experiment: str = "sftflow"
     log_model: bool = Field(False, description="also upload the exported Hugging Face folder as the run's model")
     registered_model: str | None = Field(
@@ -18,6 +36,18 @@ class MLflowTarget(BaseModel):
         description="MLflow model registry name: a model the promotion gate promotes becomes a new version of it, "
         "with the alias `champion` (needs log_model)",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _credentials_to_the_environment(cls, uri: str) -> str:
+        # A password in the URI would be written wherever the config is: logs, track.json, TensorBoard's text, the
+        # Prefect database (flow-run parameters, events). MLflow reads basic-auth credentials from these variables,
+        # so they move there, for this process and the ones it starts, and the URI keeps only the server.
+        bare, credentials = without_credentials(uri)
+        if credentials is not None:
+            for var, value in zip(CREDENTIAL_VARS, credentials, strict=True):
+                os.environ[var] = value
+        return bare
 
     @model_validator(mode="after")
     def _registry_needs_the_model(self):

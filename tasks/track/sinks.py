@@ -5,6 +5,7 @@ log dir), each adds to that run instead of making another; the `*_steps` helpers
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from sftflow.tasks.track.config import MLflowTarget, WandbTarget
+from sftflow.tasks.track.config import CREDENTIAL_VARS, MLflowTarget, WandbTarget
 from sftflow.tasks.track.record import RunRecord, table_markdown
 
 REACH_TIMEOUT_S = 5.0
@@ -63,8 +64,13 @@ def check_reachable(uri: str) -> None:
     """An HTTP tracking server answers its health check within a few seconds, or `ConnectionError` says so."""
     if not uri.startswith(("http://", "https://")):
         return
+    request = urllib.request.Request(f"{uri.rstrip('/')}/health")
+    user, password = (os.environ.get(var) for var in CREDENTIAL_VARS)
+    if user is not None:  # basic auth, as MLflow's client sends it
+        token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=REACH_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=REACH_TIMEOUT_S) as response:
             response.read()
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)

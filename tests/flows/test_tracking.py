@@ -228,6 +228,67 @@ def test_an_unreachable_tracker_is_a_warning_and_the_others_still_get_the_run(tr
     assert any(f"mlflow at {dead} (experiment sftflow) did not get this run" in r.getMessage() for r in caplog.records)
 
 
+def _prefect_database_files() -> list[Path]:
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    url = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
+    path = Path(url.split("///", 1)[1]) if url.startswith("sqlite") else None
+    return [p for p in (path, Path(f"{path}-wal")) if p is not None and p.exists()]
+
+
+def _prefect_api_json() -> str:
+    """Every flow run (with its parameters), log line and artifact the Prefect API holds, as JSON text."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(limit=200)
+        logs = client.read_logs(limit=200)
+        artifacts = client.read_artifacts(limit=200)
+    return "\n".join(item.model_dump_json() for item in (*runs, *logs, *artifacts))
+
+
+def test_credentials_in_the_mlflow_uri_are_written_nowhere(mlflow_server, tmp_path, monkeypatch):
+    """A password in `track.mlflow.uri`, run from a config file as a user runs it: MLflow gets the run (the password
+    sent as basic auth, which this server ignores), and the password is in no file of the run, nothing the command
+    printed, no row of the Prefect database and nothing its API returns."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.flows.conftest import run_cli
+
+    secret = f"pw-{os.getpid()}-{time.time_ns()}"
+    for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(var, "placeholder")  # restored afterwards; the config's credentials replace it
+    uri = mlflow_server.replace("http://", f"http://alice:{secret}@")
+    config = tmp_path / "config" / "my-sft.yaml"
+    config.parent.mkdir()
+    work = tmp_path / "work"
+    config.write_text(
+        json.dumps(
+            {
+                "work_dir": str(work),
+                "demo": {"records": 60},
+                "plan": {"tokens_per_rank": 512},
+                "train": {"model": "tiny-llama", "max_steps": 2, "num_threads": 1},
+                "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
+                "track": {"mlflow": {"uri": uri, "experiment": "sftflow-secret"}, "tensorboard": True},
+            }
+        )
+    )
+    proc = run_cli("run", str(config))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("sftflow-secret")
+    assert experiment is not None and client.search_runs([experiment.experiment_id])
+    assert secret not in proc.stdout + proc.stderr
+    files = [p for p in work.rglob("*") if p.is_file()] + _prefect_database_files()
+    assert len(files) > 20 and any("tensorboard" in str(p) for p in files)
+    holding = [str(p) for p in files if secret.encode() in p.read_bytes()]
+    assert not holding, holding
+    api = _prefect_api_json()
+    assert str(work) in api and "127.0.0.1" in api  # the runs' parameters are there, the URI without its password
+    assert secret not in api
+
+
 def _live_config(work: Path, uri: str) -> SFTConfig:
     return SFTConfig.model_validate(
         {
