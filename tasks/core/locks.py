@@ -77,3 +77,56 @@ def exclusive(path: str | Path, what: str) -> Iterator[None]:
                 _HELD.pop(key, None)
     finally:
         f.close()  # closing the descriptor releases the flock
+
+
+def check_no_writers(path: str | Path, what: str, wait_s: float = 5.0) -> None:
+    """Raise `ValueError` while any process holds a shared lock on `path` (`hold_as_writer`: a training worker of an
+    earlier launch, alive or stopped, that could still write the run); else start the file afresh. Waits up to
+    `wait_s` first: workers killed with their launcher take a moment to exit, and hold the lock until they have."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + wait_s
+        while not _try_exclusive(f):
+            if time.monotonic() > deadline:
+                f.seek(0)
+                pids = sorted({int(line) for line in f.read().split() if line.isdigit()})
+                alive = ", ".join(str(pid) for pid in pids if _alive(pid)) or "?"
+                raise ValueError(
+                    f"{what}: training worker(s) of an earlier launch still run (PID {alive}) and could write its "
+                    "checkpoints and metrics; stop them (kill -9 PID) and run again"
+                )
+            time.sleep(0.1)
+        f.seek(0)
+        f.truncate()
+        # closing releases the probe's lock
+
+
+def _try_exclusive(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+_writer_files: list = []  # open for the life of the process: closing one would release its lock
+
+
+def hold_as_writer(path: str | Path) -> None:
+    """Hold a shared lock on `path` until this process exits, and add its PID to the file."""
+    f = open(path, "a")  # noqa: SIM115 - held until exit
+    fcntl.flock(f, fcntl.LOCK_SH)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _writer_files.append(f)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

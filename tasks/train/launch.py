@@ -33,15 +33,17 @@ from pathlib import Path
 from typing import Protocol
 
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
-from sftflow.tasks.core.locks import exclusive
+from sftflow.tasks.core.locks import check_no_writers, exclusive
 from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, write_run_json
 from sftflow.tasks.train.data import load_plan, plan_path
 from sftflow.tasks.train.errors import TrainingFailed  # noqa: F401  (raised here; imported from here by callers)
+from sftflow.tasks.train.lifetime import LAUNCHER_PID_VAR, WRITERS_VAR
 from sftflow.tasks.train.metrics import read_metrics
 
 WORKER_MODULE = "sftflow.tasks.train.worker"
+TORCHRUN_MODULE = "sftflow.tasks.train.torchrun"
 _KILL_GRACE_S = 10.0
 _PROGRESS_EVERY_S = 5.0
 
@@ -57,8 +59,10 @@ class LiveMetrics(Protocol):
 
 
 def torchrun_command(config: TrainConfig, run_dir: Path) -> list[str]:
-    """`python -m torch.distributed.run ...`: standalone on one node, c10d rendezvous across several."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc}"]
+    """`python -m sftflow.tasks.train.torchrun ...` (torchrun): standalone on one node, c10d rendezvous across
+    several."""
+    # torchrun's own `main` behind an entry point that makes it die with this launcher (`lifetime`)
+    cmd = [sys.executable, "-m", TORCHRUN_MODULE, f"--nproc-per-node={config.nproc}"]
     if config.nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -222,9 +226,16 @@ def usable_cpus() -> int:
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+def writers_file(run_dir: Path, node_rank: int) -> Path:
+    """The file every worker of a run on this node holds a shared lock on (`lifetime`)."""
+    return run_dir / f".writers-node{node_rank}"
+
+
 def _worker_env(config: TrainConfig) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env[LAUNCHER_PID_VAR] = str(os.getpid())
+    env[WRITERS_VAR] = str(writers_file(config.run_dir, config.node_rank))
     if config.num_threads is not None:  # the config's count wins: the run's float summation order depends on it
         env["OMP_NUM_THREADS"] = str(config.num_threads)
     else:
@@ -299,6 +310,8 @@ def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics 
     # One launcher per run folder and node: a second would resume from this one's live checkpoints and interleave
     # its metrics.
     with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
+        # ... and no worker of an earlier launch still alive (its launcher was killed outright, say)
+        check_no_writers(writers_file(run_dir, config.node_rank), f"training run {run_dir}")
         return _launch(config, run_dir, live)
 
 

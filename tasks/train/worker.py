@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from sftflow.tasks.core.locks import hold_as_writer
 from sftflow.tasks.train import config as cfg
 from sftflow.tasks.train.activations import (
     apply_activation_checkpointing,
@@ -60,6 +61,7 @@ from sftflow.tasks.train.data import (
 from sftflow.tasks.train.export import export_streamed, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.host_moments import describe_units
+from sftflow.tasks.train.lifetime import WRITERS_VAR, die_with_parent
 from sftflow.tasks.train.lora import (
     apply_lora,
     compute_adapters_in_autocast,
@@ -696,6 +698,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: torchrun ... -m sftflow.tasks.train.worker RUN_DIR")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(argv[0])
+    # Die with torchrun, and hold the run's writers lock while alive: no worker outlives its launcher's run, and no
+    # new launch starts while one does (`sftflow.tasks.train.lifetime`).
+    die_with_parent()
+    if os.environ.get(WRITERS_VAR):
+        hold_as_writer(os.environ[WRITERS_VAR])
     try:
         train(run_dir)
     except ValueError as err:

@@ -318,7 +318,7 @@ def _training_processes() -> list[int]:
     torchrun = [
         pid
         for pid, ppid in parents.items()
-        if ppid == os.getpid() and b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if ppid == os.getpid() and b"sftflow.tasks.train.torchrun" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     found = list(torchrun)
     for pid in found:  # grows while it is walked: breadth first down the tree

@@ -4,6 +4,7 @@ failed write. Each test reproduces the failure as it was met, on real torchrun r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -136,6 +137,103 @@ def test_a_second_trainer_on_a_held_run_folder_is_refused_naming_the_holder(base
     assert json.loads((out / ".lock-node0").read_text())["pid"] == holder.pid
     run(config, out, max_steps=1)
     assert json.loads((out / ".lock-node0").read_text())["pid"] == os.getpid()
+
+
+WRITER = """
+import sys, time
+from sftflow.tasks.core.locks import hold_as_writer
+hold_as_writer(sys.argv[1])
+print("writing", flush=True)
+time.sleep(120)
+"""
+
+LAUNCH = """
+import json, sys
+from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.launch import train
+train(TrainConfig.model_validate(json.loads(sys.argv[1])))
+"""
+
+
+def test_a_launch_is_refused_while_a_worker_of_an_earlier_launch_lives(base):
+    """A process holding the run's writers lock (what every worker does for its life) keeps any new launch out, with
+    its PID in the one line; once it is gone the run starts."""
+    root, config = base
+    out = root / "old-writer"
+    out.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(out / ".writers-node0")], stdout=subprocess.PIPE)
+    assert writer.stdout.readline().strip() == b"writing"
+    try:
+        with pytest.raises(ValueError, match=rf"earlier launch still run \(PID {writer.pid}\)"):
+            run(config, out, max_steps=1)
+    finally:
+        writer.kill()
+        writer.wait()
+    run(config, out, max_steps=1)
+    assert losses(out) and len(losses(out)) == 1
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):  # ended while being read
+                continue
+    found = [child for child, parent in parents.items() if parent == pid]
+    for child in found:  # grows while walked
+        found += [grandchild for grandchild, parent in parents.items() if parent == child]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_die_with_a_launcher_killed_outright_and_the_resume_is_the_only_writer(tmp_path, tiny_tokenizer,
+                                                                                       tiny_tokenizer_dir):  # fmt: skip
+    """The launcher SIGKILLed while its worker is stopped (`kill -STOP`): torchrun and the worker die with it, so the
+    `--resume` that follows is the run's one writer and its metrics hold every step once, in order."""
+    import signal
+    import time
+
+    config, _, _ = planned_mock(
+        tmp_path, len(tiny_tokenizer), tiny_tokenizer_dir,
+        PlanConfig(num_ranks=1, tokens_per_rank=64, micro_batches_per_step=1, epochs=30, seed=0),
+        checkpoint_every=3, keep_last=1, warmup_steps=2,
+    )  # fmt: skip
+    out = tmp_path / "run"
+    settings = {**config.model_dump(mode="json"), "out": str(out), "max_steps": 40}
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH, json.dumps(settings)])
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the first run ended before 4 steps"
+        time.sleep(0.05)
+    processes = _descendants(launcher.pid)  # torchrun and its worker
+    assert len(processes) >= 2
+    worker = processes[-1]
+    os.kill(worker, signal.SIGSTOP)
+    launcher.kill()
+    launcher.wait()
+    try:
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in processes):  # killed (a zombie until reaped), stopped worker included
+            assert time.monotonic() < deadline, [pid for pid in processes if _alive(pid)]
+            time.sleep(0.1)
+    finally:  # whatever the outcome, leave no stopped worker behind
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    run(config.model_copy(update={"out": str(out)}), out, resume=True, max_steps=40)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 41))
 
 
 def test_a_second_sftflow_command_on_a_held_work_dir_is_one_line_naming_the_holder(tmp_path):

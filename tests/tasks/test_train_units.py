@@ -143,6 +143,7 @@ def test_torchrun_command_single_and_multi_node():
     from sftflow.tasks.train.launch import torchrun_command
 
     single = torchrun_command(_config(nproc=4), Path("/run"))
+    assert single[1:3] == ["-m", "sftflow.tasks.train.torchrun"]  # torchrun that dies with its launcher
     assert "--standalone" in single and "--nproc-per-node=4" in single
     assert single[-3:] == ["-m", "sftflow.tasks.train.worker", "/run"]
     multi = torchrun_command(_config(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", rdzv_id="job7"), Path("/r"))
