@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sftflow.tasks.core.locks import process_alive
+
 START_TIMEOUT_ENV = "SFTFLOW_API_START_TIMEOUT"
 IDLE_TIMEOUT_ENV = "SFTFLOW_API_IDLE_TIMEOUT"
 DEFAULT_START_TIMEOUT_S = 600.0
@@ -77,16 +79,6 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_record(folder: Path) -> ServerRecord | None:
     try:
         raw = json.loads((folder / "server.json").read_text())
@@ -120,7 +112,7 @@ def _running(folder: Path, prefect_version: str) -> ServerRecord | None:
     """The recorded server if it is alive, answers, and runs this Prefect version (an older one is stopped: its
     database schema may be behind)."""
     record = read_record(folder)
-    if record is None or not _alive(record.pid):
+    if record is None or not process_alive(record.pid):
         return None
     if record.prefect_version != prefect_version:
         stop_server(folder)
@@ -191,13 +183,13 @@ def ensure_server(prefect_home: Path, prefect_version: str, notice=lambda messag
 def stop_server(folder: Path) -> bool:
     """Stop the recorded server (SIGTERM, then SIGKILL after 20 s). Whether one was running."""
     record = read_record(folder)
-    if record is None or not _alive(record.pid):
+    if record is None or not process_alive(record.pid):
         return False
     os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + 20
-    while _alive(record.pid) and time.monotonic() < deadline:
+    while process_alive(record.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(record.pid):
+    if process_alive(record.pid):
         os.kill(record.pid, signal.SIGKILL)
     (folder / "server.json").unlink(missing_ok=True)
     return True

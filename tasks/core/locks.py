@@ -91,7 +91,7 @@ def check_no_writers(path: str | Path, what: str, wait_s: float = 5.0) -> None:
             if time.monotonic() > deadline:
                 f.seek(0)
                 pids = sorted({int(line) for line in f.read().split() if line.isdigit()})
-                alive = ", ".join(str(pid) for pid in pids if _alive(pid)) or "?"
+                alive = ", ".join(str(pid) for pid in pids if process_alive(pid)) or "?"
                 raise ValueError(
                     f"{what}: training worker(s) of an earlier launch still run (PID {alive}) and could write its "
                     "checkpoints and metrics; stop them (kill -9 PID) and run again"
@@ -122,7 +122,8 @@ def hold_as_writer(path: str | Path) -> None:
     _writer_files.append(f)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this PID exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
