@@ -318,10 +318,10 @@ def prune_checkpoints(folder: Path, keep_last: int, current: int) -> list[int]:
     return sorted(removed)
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> None:
+def load_model_weights(path: str | Path, model: nn.Module, trust_unverified: bool = False) -> None:
     """Load the `model` component of a DCP checkpoint into a plain (unsharded, single-process) HF model."""
     path = resolve_checkpoint(Path(path))
-    verify_checksums(path)
+    verify_checksums(path, trust_unverified)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])

@@ -6,6 +6,7 @@ listing (`CHECKSUMS`, `sha256  name` per line, as the stage folders have) is wri
 hashed its share of the files, and before `latest` names the checkpoint. The launcher checks the checkpoint a run
 will load before it starts the workers, so a damaged one is one located error, not a worker traceback. This
 catches corruption, not an attacker who can rewrite the listing too: checkpoints, like `init_from`, are trusted input.
+A checkpoint without a listing is refused unless the user says they trust it (`train.trust_checkpoint`).
 """
 
 from __future__ import annotations
@@ -52,20 +53,31 @@ def write_checksums(path: Path) -> None:
         write_atomic(path / CHECKSUMS, "".join(f"{merged[name]}  {name}\n" for name in sorted(merged)))
 
 
-def verify_checksums(path: Path) -> None:
+def verify_checksums(path: Path, trust_unverified: bool = False) -> None:
     """Raise `ValueError` naming the first file of the checkpoint whose sha256 differs from `CHECKSUMS` (or that is
-    missing). A collective when a process group is up (each rank checks a share, all raise together); the launcher
-    calls it in one process."""
+    missing, or not listed). A checkpoint without `CHECKSUMS` is refused unless `trust_unverified` (`train.
+    trust_checkpoint`): torch's reader unpickles its `.metadata`, so deleting the listing must not be a way past the
+    check. A collective when a process group is up (each rank checks a share, all raise together); the launcher calls
+    it in one process."""
     path = Path(path)
     listing = path / CHECKSUMS
     if not listing.is_file():
-        log.warning("%s has no %s (written by an older sftflow): its files cannot be checked", path, CHECKSUMS)
-        return
+        if trust_unverified:
+            log.warning("%s has no %s: loaded unchecked, as train.trust_checkpoint allows", path, CHECKSUMS)
+            return
+        raise ValueError(
+            f"checkpoint {path} has no {CHECKSUMS}, so its files cannot be checked, and loading it unpickles its "
+            ".metadata (which can run code); if you wrote it yourself (an older sftflow, or by hand) and trust it, "
+            "set train.trust_checkpoint: true (--set train.trust_checkpoint=true)"
+        )
     expected = {}
     for line in listing.read_text().splitlines():
         if line.strip():
             digest, name = line.split("  ", 1)
             expected[name] = digest
+    unlisted = sorted(set(_files(path)) - set(expected))
+    if unlisted:
+        raise ValueError(f"checkpoint {path} is damaged: {path / unlisted[0]} is not in {listing}")
     rank, world = _rank_world()
     bad = None
     for name in sorted(expected)[rank::world]:

@@ -148,6 +148,11 @@ class TrainOptions(BaseModel):
     keep_last: int = Field(2, ge=1)
     resume: bool = False
     init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
+    trust_checkpoint: bool = Field(
+        False,
+        description="load a checkpoint that has no CHECKSUMS (an older sftflow's, or one made by hand): it cannot be "
+        "checked, and loading unpickles its .metadata, so only one you trust",
+    )
     load_components: tuple[str, ...] = ("model",)
     export: bool = True
     export_dtype: Literal["auto", "bf16", "fp32"] = "auto"

@@ -349,7 +349,7 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
             raise ValueError(refusal)
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
-        verify_checksums(checkpoint)  # before any reader unpickles its .metadata
+        verify_checksums(checkpoint, config.trust_checkpoint)  # before any reader unpickles its .metadata
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()

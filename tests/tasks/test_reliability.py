@@ -321,6 +321,50 @@ def test_a_damaged_checkpoint_is_refused_before_it_is_loaded(base, three_steps):
         run(config, out, max_steps=6, resume=True, init_from=None)
 
 
+class _Planted:
+    """A pickle that creates a file when it is loaded: what a crafted `.metadata` could do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_checkpoint_without_its_checksums_is_refused_unless_trusted(base, three_steps, tmp_path):
+    """Deleting `CHECKSUMS` is no way past the check: a crafted `.metadata` in a checkpoint without a listing is
+    refused before anything unpickles it, for `--resume` and `--init-from` alike; `train.trust_checkpoint` loads an
+    unlisted checkpoint the user vouches for. A file the listing does not name is refused too."""
+    import pickle
+
+    root, config = base
+    out = root / "unlisted"
+    shutil.copytree(three_steps, out)
+    step = out / "checkpoints" / "step-3"
+    (step / "CHECKSUMS").unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint {step} has no CHECKSUMS.*train.trust_checkpoint: true"):
+        run(config, out, max_steps=6, resume=True)
+    trusted = run(config, out, max_steps=6, resume=True, trust_checkpoint=True)
+    assert trusted.steps == 6
+
+    crafted = root / "crafted"
+    shutil.copytree(three_steps, crafted)
+    step = crafted / "checkpoints" / "step-3"
+    marker = tmp_path / "code-ran"
+    (step / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    (step / "CHECKSUMS").unlink()
+    with pytest.raises(ValueError, match="has no CHECKSUMS"):
+        run(config, root / "from-crafted", max_steps=1, init_from=str(step))
+    assert not marker.exists()
+
+    extra = root / "extra-file"
+    shutil.copytree(three_steps, extra)
+    step = extra / "checkpoints" / "step-3"
+    (step / "__0_1.distcp").write_bytes(b"not written by the save")
+    with pytest.raises(ValueError, match=r"__0_1.distcp is not in .*CHECKSUMS"):
+        run(config, extra, max_steps=6, resume=True)
+
+
 def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(tmp_path, monkeypatch):
     target = tmp_path / "out" / "rendered.jsonl"
 
