@@ -262,7 +262,26 @@ def load_config(
     try:
         return SFTConfig.model_validate(raw)
     except ValidationError as err:
-        raise ValueError(f"{path or 'config'}: {explain_validation_error(err, SFTConfig)}") from None
+        raise ValueError(_blame(err, path, set(overrides or {}))) from None
+
+
+def _blame(err: ValidationError, path, override_keys: set[str]) -> str:
+    """The problems of a config, each under what set the key: the command line (`--set` and a command's options)
+    or the file, so a typo in `--set` is not reported as the file's."""
+
+    def from_command_line(error) -> bool:
+        where = ".".join(str(part) for part in error["loc"])
+        return any(where == key or where.startswith(f"{key}.") for key in override_keys)
+
+    errors = err.errors()
+    given = [e for e in errors if from_command_line(e)]
+    written = [e for e in errors if not from_command_line(e)]
+    parts = []
+    if given:
+        parts.append(f"command line (--set or an option): {explain_errors(given, SFTConfig)}")
+    if written:
+        parts.append(f"{path or 'config'}: {explain_errors(written, SFTConfig)}")
+    return "; ".join(parts)
 
 
 def config_field(key: str):
@@ -310,8 +329,13 @@ def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
 def explain_validation_error(err: ValidationError, model: type[BaseModel]) -> str:
     """Every problem of a config in one line; an unknown key comes with the closest valid names (a typo), or the
     valid ones."""
+    return explain_errors(err.errors(), model)
+
+
+def explain_errors(errors: list, model: type[BaseModel]) -> str:
+    """`explain_validation_error` for some of a `ValidationError`'s errors."""
     problems = []
-    for error in err.errors():
+    for error in errors:
         loc = [str(part) for part in error["loc"]]
         where = ".".join(loc)
         if error["type"] == "extra_forbidden":

@@ -152,6 +152,20 @@ def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
     assert "unknown key 'plan.tokens_per_rnak'; did you mean 'plan.tokens_per_rank'?" in message
     assert "unknown key 'evla'; did you mean 'eval'?" in message
     assert "unknown key 'train.lerning_rate'; expected one of" in message and " lr," in message
+    # A typo on the command line is the command line's, not the file's
+    from sftflow.flows.config import load_config
+
+    good = tmp_path / "good.yaml"
+    good.write_text("demo: {records: 50}\nplan: {tokens_per_rank: 512}\n")
+    with pytest.raises(ValueError) as err:
+        load_config(good, {"train.learning_rate": "1e-3", "plan.epochs": "0"})
+    message = str(err.value)
+    assert message.startswith("command line (--set or an option): ") and str(good) not in message
+    assert "unknown key 'train.learning_rate'" in message and "'plan.epochs'" in message
+    good.write_text("demo: {records: 50}\nplan: {tokens_per_rnak: 512}\n")
+    with pytest.raises(ValueError) as err:
+        load_config(good, {"train.lr": "1e-3"})
+    assert str(err.value).startswith(f"{good}: unknown key 'plan.tokens_per_rnak'")
 
     data = pipeline["work"] / "data"
     index = json.loads((data / "data.json").read_text())["index"]["path"]
