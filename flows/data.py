@@ -129,11 +129,12 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             for shard in source_files(local_path(spec, work, logger), dcfg.shard_bytes, dcfg.shard_records)
         ]
         sources: list[SourceFile] = [shard for _, shard in named]
-        template_sha, template_file = training_template(dcfg.render, tokenizer, work)
+        template_sha, template_file, template_name = training_template(dcfg.render, tokenizer, work)
         logger.info(
-            "sft-data: %d source(s) in %d shard(s), template %s, tokenizer %s, task runner %s",
+            "sft-data: %d source(s) in %d shard(s), template %s (sha256 %s), tokenizer %s, task runner %s",
             len(dcfg.sources),
             len(sources),
+            template_name or "none (text records)",
             template_sha[:12],
             tokenizer.path,
             dcfg.task_runner,

@@ -119,19 +119,23 @@ def template_sha256(config: RenderConfig, tokenizer: TokenizerRef) -> str:
     return training_template(config, tokenizer, None)[0]
 
 
-def training_template(config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path | None) -> tuple[str, str | None]:
-    """The sha256 of the chat template the data is rendered with and, given `work_dir`, a copy of its text in
+def training_template(
+    config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path | None
+) -> tuple[str, str | None, str | None]:
+    """The sha256 of the chat template the data is rendered with, given `work_dir` a copy of its text in
     `work_dir/templates/<sha>.jinja` (None for text without a template): what the export ships as the model's
-    chat template, so that inference renders conversations as training did."""
+    chat template, so that inference renders conversations as training did; and the template's name (which one
+    `template: auto` chose, and why)."""
     template = resolve_template(config, tokenizer.path)
     text = template.text if template is not None else ""
     sha = sha256_text(text)
+    name = template.name if template is not None else None
     if work_dir is None or template is None:
-        return sha, None
+        return sha, None, name
     path = Path(work_dir) / "templates" / f"{sha[:16]}.jinja"
     if not path.is_file():
         write_atomic(path, text)
-    return sha, str(path)
+    return sha, str(path), name
 
 
 # The four data stages share this module (their tasks), so each key covers all of data preparation's code.

@@ -222,6 +222,11 @@ def test_auto_on_real_tokenizers(folder, expected, shared_data):
     path = shared_data / "tokenizers" / folder
     template = resolve_template(RenderConfig(), path)  # the default: template auto, mask_policy generation
     assert template.name.startswith(f"{expected} (auto:")
+    # The data stage names the choice in its console line (`sft-data: ... template <name>`), not only in a logger
+    from sftflow.tasks.core.manifests import TokenizerRef
+    from sftflow.tasks.data.stage import training_template
+
+    assert training_template(RenderConfig(), TokenizerRef(path=str(path), sha256=""), None)[2] == template.name
     tokenizer = AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert template.render(messages)[0] == tokenizer.apply_chat_template(messages, tokenize=False)
