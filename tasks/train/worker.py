@@ -478,6 +478,7 @@ def build_run(run_dir: Path) -> Run:
     weights = None if restores_model(checkpoint_c) and config.lora is None else weights
     on_meta = any(p.is_meta for p in lm.parameters())
     n_params, n_dense = count_params(lm)  # before a 4-bit base packs two weights into each byte
+    n_trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     model, optimizer, model_state = parallelize(
         lm, env, parallel, param_dtype, optim_c, weights, on_meta, lora=config.lora is not None, seed=config.seed,
         quantize=config.quantize == "nf4",
@@ -512,6 +513,7 @@ def build_run(run_dir: Path) -> Run:
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
             f"plan {plan.num_steps} steps x {plan.micro_batches_per_step} micro-batches x {plan.num_ranks} ranks "
             f"({plan.mode}), {parallel}, training steps {progress.step}..{total_steps}"
+            + (lora_label(config, n_trainable) if config.lora is not None else "")
             + (", compiled layers" if compiled else "")
             + (f", activation checkpointing {label}" if label != "off" else "")
             + (" (inputs in host memory)" if offload and label != "off" else "")
@@ -686,6 +688,14 @@ def export_run(run: Run) -> None:
     if run.env.is_main:
         print(f"[train] exported {out}", flush=True)
     dist.barrier()
+
+
+def lora_label(config: cfg.TrainConfig, trainable: int) -> str:
+    """What a LoRA run trains, for its start line: the adapters, not the frozen base the parameter count is of."""
+    lora = config.lora
+    targets = lora.targets if isinstance(lora.targets, str) else ", ".join(lora.targets)
+    base = "NF4" if config.quantize == "nf4" else "frozen"
+    return f", LoRA r{lora.rank} on {targets} ({trainable / 1e6:.2f}M trainable, {base} base)"
 
 
 USER_ERROR = "worker-error.txt"

@@ -75,10 +75,16 @@ def test_step_zero_is_the_base_model(setup, lora2):
     assert losses(lora2)[0] == pytest.approx(losses(root / "full")[0], rel=1e-6)
 
 
-def test_two_ranks_equal_one_rank(setup, lora2):
+def test_two_ranks_equal_one_rank(setup, lora2, caplog):
+    import logging
+
     root, _, base, _ = setup
-    run(base, root / "lora1", nproc=1, max_steps=12, lora=LORA)
+    with caplog.at_level(logging.INFO):
+        run(base, root / "lora1", nproc=1, max_steps=12, lora=LORA)
     assert losses(root / "lora1") == pytest.approx(losses(lora2), rel=1e-5)
+    # The start line says what a LoRA run trains: the adapters and their size, beside the frozen base's count
+    start = next(r.getMessage() for r in caplog.records if "[train] fresh start;" in r.getMessage())
+    assert f"LoRA r{LORA['rank']} on " in start and "M trainable, frozen base)" in start, start
 
 
 def test_a_resumed_run_is_the_run_that_was_not_stopped(setup, lora2):
