@@ -1,6 +1,7 @@
 """Serve every sftflow deployment from this process, without a work pool.
 
     prefect server start                      # in another terminal (or use Prefect Cloud)
+    prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api    # once: point this profile at that server
     python deployments/serve.py               # registers and serves the deployments below
     prefect deployment run sft/full --watch
 
@@ -13,6 +14,7 @@ promotion gate on the nights the data changed.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from prefect import serve
@@ -62,7 +64,24 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *", refresh_then:
     ]
 
 
+def api_unset_reason() -> str | None:
+    """Why serving here would be useless, or None: without `PREFECT_API_URL` (environment or profile), `serve`
+    starts a temporary server of its own, which `prefect deployment run` (another process) never reaches."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    return (
+        "serve.py: PREFECT_API_URL is not set, so the deployments would be served on a temporary server that "
+        "`prefect deployment run` cannot reach; with `prefect server start` running, run `prefect config set "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api` (or export it in this shell) and start serve.py again"
+    )
+
+
 if __name__ == "__main__":
+    if (reason := api_unset_reason()) is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        raise SystemExit(2)
     config = os.environ.get("SFTFLOW_CONFIG", str(DEFAULT_CONFIG))
     cron = os.environ.get("SFTFLOW_REFRESH_CRON", "0 3 * * *")
     then = os.environ.get("SFTFLOW_REFRESH_THEN") or None

@@ -510,7 +510,8 @@ def run(
         bool, typer.Option("--promote", help="end with the promotion gate (see `sftflow promote`)")
     ] = False,
 ) -> None:
-    """Run the whole `sft` pipeline in-process (Prefect's local ephemeral API): data → plan → train → eval."""
+    """Run the whole `sft` pipeline in-process: data → plan → train → eval. Its Prefect API is PREFECT_API_URL's
+    server when set, else a local server sftflow starts on first use and later commands reuse."""
     _quiet_defaults()
     from sftflow.flows.sft import sft
 

@@ -341,3 +341,18 @@ def test_prefect_yaml_deploys_to_a_process_pool(prefect_server):
     listing = prefect("deployment", "ls").stdout
     for name in DEPLOYMENTS:
         assert name in listing, listing
+
+
+def test_serve_refuses_a_temporary_server_with_the_setting_to_make(tmp_path):
+    """Followed without `PREFECT_API_URL`, serve.py would serve on a temporary server nobody can reach: it stops at
+    once with one line that names the setting, and starts no server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "deployments" / "serve.py")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: serve.py: PREFECT_API_URL is not set")
+    assert "prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api" in lines[0]
+    assert "Starting temporary server" not in proc.stdout + proc.stderr
