@@ -16,11 +16,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
-
-# Evaluation runs in this process: its OpenMP threads, like the training worker's, should sleep rather than spin
-# while they wait for each other, or a busy machine slows it many times more than its share of the CPU. Set before
-# torch is imported; a value the user set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pydantic_core import PydanticUndefined
 from typer.core import TyperCommand
 

@@ -234,3 +234,20 @@ def test_data_keeps_the_documented_command_line(tmp_path):
     assert (data.spans.bos, data.spans.eos, data.spans.max_length) == ("never", "always", 512)
     bad = invoke("data", "--source", "a.jsonl", "--tokenizer", "tok", "--eos", "sometimes", "--out", str(tmp_path))
     assert bad.exit_code == 2 and "data.spans.eos" in bad.output and "'always' or 'never'" in bad.output, bad.output
+
+
+def test_every_flow_process_lets_its_openmp_threads_sleep():
+    """A deployment's flow run (a subprocess Prefect starts, which imports the flows before torch) evaluates with
+    OpenMP threads that sleep while they wait, as the CLI's do; a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import sftflow.flows.sft, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == "PASSIVE"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=dict(env, OMP_WAIT_POLICY="ACTIVE"), capture_output=True, text=True
+    )
+    assert out.stdout.split()[0] == "ACTIVE"
