@@ -250,7 +250,9 @@ def iter_jsonl(
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                # Without its newline: an error at the line's end is then at its last column, not "column 1" of the
+                # next line, and every column counts characters of this line as an editor does.
+                record = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 yield source, RecordError(source, "line", f"is not valid JSON ({err.msg} at column {err.colno})")
                 continue

@@ -131,6 +131,21 @@ EXPECTED_ERRORS = [
 ]
 
 
+def test_a_broken_json_line_names_the_column_python_reads_on_that_line(tmp_path):
+    """An error at a line's end is at that line's last column, not "column 1" of the line after it."""
+    src = tmp_path / "data.jsonl"
+    truncated = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}'
+    src.write_text(json.dumps(GOOD) + "\n" + truncated + "\n")
+    with pytest.raises(ValueError) as info:
+        render_source(src, tmp_path / "out.jsonl", RenderConfig(template="chatml"), load_template("chatml"))
+    with pytest.raises(json.JSONDecodeError) as python:
+        json.loads(truncated)
+    assert python.value.colno == len(truncated) + 1
+    assert f"{src}:2: line is not valid JSON (Expecting ',' delimiter at column {len(truncated) + 1})" in str(
+        info.value
+    )
+
+
 @pytest.mark.parametrize("bad", range(len(EXPECTED_ERRORS)))
 def test_error_mode_raises_located_value_error(tmp_path, bad):
     line, _, message = EXPECTED_ERRORS[bad]
