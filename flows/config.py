@@ -131,6 +131,11 @@ class PlanSection(BaseModel):
     seed: int = Field(0, ge=0)
     mode: Literal["packed", "padded", "iterative"] = "packed"
     drop_last: bool = False
+    too_long: Literal["drop", "error"] = Field(
+        "drop",
+        description="a document longer than a row: drop it (counted in stats.json, the longest named in a warning) "
+        "or stop with an error naming it",
+    )
     cost_table: str | list[tuple[int, float]] | None = Field(
         None,
         description="measured step time per token by document length (a file from benchmarks/cost_table.py, or "

@@ -59,6 +59,11 @@ class PlanConfig(BaseModel):
     cost_per_token_pair: float | None = Field(None, ge=0)
     cost_table: tuple[tuple[int, float], ...] = ()
     mixture: tuple[SourceShare, ...] = ()
+    too_long: Literal["drop", "error"] = Field(
+        "drop",
+        description="a document longer than a row (tokens_per_rank): drop it, counted in the plan's stats with a "
+        "warning naming the longest, or stop with an error naming it",
+    )
 
     @field_validator("cost_table", mode="before")
     @classmethod
@@ -123,4 +128,5 @@ class PlanStats(BaseModel):
     avg_doc_length: float
     planning_seconds: float
     dropped_docs: int
+    too_long_docs: int = 0  # documents longer than a row, left out of every epoch (`too_long: drop`)
     sources: list[SourceStats] = []

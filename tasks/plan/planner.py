@@ -23,6 +23,7 @@ in permutation order (`shuffle=False`: index order), for evaluation and debuggin
 from __future__ import annotations
 
 import io
+import logging
 import time
 import zipfile
 from dataclasses import dataclass, fields
@@ -34,6 +35,8 @@ from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.plan.config import PlanConfig, PlanStats
 from sftflow.tasks.plan.mixture import DocSources, Mixture, resolve_mixture, source_stats
 from sftflow.tasks.plan.packing import lpt_pack_rows, lpt_redistribute, padded_pack_rows, row_sums
+
+log = logging.getLogger(__name__)
 
 PLAN_FORMAT_VERSION = 1
 
@@ -109,12 +112,15 @@ def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: Pl
     if lengths.min() < 1:
         doc = int(np.argmin(lengths))
         raise ValueError(f"{describe(doc)} has length {int(lengths[doc])}; every document needs at least 1 token")
-    if lengths.max() > config.tokens_per_rank:
+    too_long = lengths > config.tokens_per_rank
+    if too_long.any() and (config.too_long == "error" or too_long.all()):
         doc = int(np.argmax(lengths))
+        every = " (every document is)" if too_long.all() else ""
         raise ValueError(
             f"{describe(doc)} has {int(lengths[doc])} tokens, more than a row holds (tokens_per_rank="
-            f"{config.tokens_per_rank}); raise plan.tokens_per_rank (--tokens-per-rank), or drop or truncate long "
-            "documents with data.spans.max_length (--max-length)"
+            f"{config.tokens_per_rank}){every}; raise plan.tokens_per_rank (--tokens-per-rank), or drop or truncate "
+            "long documents with data.spans.max_length (--max-length)"
+            + ("" if too_long.all() else ", or set plan.too_long: drop to leave them out")
         )
     if (loss_token_counts < 0).any() or (loss_token_counts > lengths).any():
         doc = int(np.argmax((loss_token_counts < 0) | (loss_token_counts > lengths)))
@@ -221,6 +227,17 @@ def plan(
     if config.mixture and sources is None:
         raise ValueError("a mixture needs each document's source (plan from a dataset index)")
     mixture = resolve_mixture(config.mixture, sources, loss_token_counts) if config.mixture else None
+    too_long = lengths > config.tokens_per_rank
+    if too_long.any():  # `too_long: drop` (`error` raised above): left out of every epoch, with a warning
+        doc = int(np.argmax(lengths))
+        log.warning(
+            "plan: %d document(s) longer than a row (tokens_per_rank=%d) left out, the longest %s with %d tokens; "
+            "raise plan.tokens_per_rank to train them, or set plan.too_long: error to stop instead",
+            int(too_long.sum()),
+            config.tokens_per_rank,
+            describe(doc),
+            int(lengths[doc]),
+        )
     n = config.num_ranks
     doc_parts, slot_parts, dropped_parts, epoch_slots = [], [], [], []
     m = None
@@ -228,6 +245,8 @@ def plan(
     for epoch in range(config.epochs):
         rng = np.random.default_rng([config.seed, epoch])
         stream = _epoch_stream(len(lengths), config, mixture, rng)
+        if too_long.any():
+            stream = stream[~too_long[stream]]
         if len(stream) == 0:
             raise ValueError("nothing to plan: the mixture draws no documents")
         doc_ids, row_of_doc, num_rows = _epoch_rows(lengths, stream, config)
@@ -275,6 +294,7 @@ def plan(
         mode=config.mode,
     )
     stats = plan_stats(arrays, lengths, config, steps_per_epoch, time.perf_counter() - start)
+    stats = stats.model_copy(update={"too_long_docs": int(too_long.sum())})
     if sources is not None:
         requested = mixture.requested if mixture is not None else None
         per_source = source_stats(sources, loss_token_counts, doc_ids, requested, config.epochs)

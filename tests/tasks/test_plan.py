@@ -178,11 +178,32 @@ def test_errors_name_the_problem():
         ValueError,
         match=r"doc 2 has 900 tokens, more than a row holds \(tokens_per_rank=512\); raise plan.tokens_per_rank",
     ):
-        plan(np.array([10, 20, 900]), np.array([1, 1, 1]), PlanConfig(num_ranks=1, tokens_per_rank=512))
+        config = PlanConfig(num_ranks=1, tokens_per_rank=512, too_long="error")
+        plan(np.array([10, 20, 900]), np.array([1, 1, 1]), config)
+    with pytest.raises(ValueError, match=r"\(every document is\)"):
+        plan(np.array([600, 900]), np.array([1, 1]), PlanConfig(num_ranks=1, tokens_per_rank=512))
     with pytest.raises(ValueError, match=r"doc 1: loss_token_counts=30"):
         plan(np.array([10, 20]), np.array([1, 30]), PlanConfig(num_ranks=1, tokens_per_rank=512))
     with pytest.raises(ValidationError, match="not both"):
         PlanConfig(num_ranks=1, tokens_per_rank=8, micro_batches_per_step=2, target_tokens_per_step=10)
+
+
+def test_documents_longer_than_a_row_are_left_out_with_a_count_and_a_warning(caplog):
+    """Real data has a long tail: by default a document longer than a row is dropped from every epoch, counted in the
+    stats and named (the longest) in one warning, instead of failing the run after the data stage."""
+    import logging
+
+    lengths = np.array([10, 20, 900, 30, 700])
+    config = PlanConfig(num_ranks=1, tokens_per_rank=512, epochs=2, seed=0)
+    with caplog.at_level(logging.WARNING):
+        arrays, stats = plan(lengths, np.ones(5, dtype=np.int64), config, describe=lambda d: f"chats.jsonl:{d + 1}")
+    assert stats.too_long_docs == 2
+    assert sorted(set(arrays.doc_ids.tolist())) == [0, 1, 3]
+    assert np.bincount(arrays.doc_ids).tolist()[:4] == [2, 2, 0, 2]  # each kept document once an epoch
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "2 document(s) longer than a row (tokens_per_rank=512) left out, the longest chats.jsonl:3" in warning
+    kept, _ = plan(lengths[[0, 1, 3]], np.ones(3, dtype=np.int64), config)
+    assert kept.num_steps == arrays.num_steps
 
 
 def test_cost_coefficients_from_model():
