@@ -45,11 +45,15 @@ class DataResult(BaseModel):
     def index_dir(self) -> str:
         return str(self.index.dir)
 
+    def spans_rejects(self) -> list[str]:
+        return [t.rejects_path for t in self.tokenized if t.rejects_path]
+
     def summary(self) -> dict:
         return {
             "records_rendered": sum(r.num_records for r in self.rendered),
             "records_rejected_render": sum(r.num_rejected for r in self.rendered),
             "records_rejected_spans": sum(t.num_rejected for t in self.tokenized),
+            "rejects": [p for p in (*(r.rejects_path for r in self.rendered), *self.spans_rejects()) if p],
             "docs_train": self.index.num_train,
             "docs_eval": self.index.num_eval,
             "tokens_train": self.index.num_train_tokens,
@@ -164,6 +168,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
                     rendered=rendered, tokenizer=unmapped(tokenizer), config=unmapped(dcfg.spans), work_dir=unmapped(wd)
                 ),
             ).result()
+            check_untrained(tokenized, dcfg.render.on_bad_record)
             shards = runner.map(
                 pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
             ).result()
@@ -180,6 +185,23 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))
         return result
+
+
+def check_untrained(tokenized: list[TokenizedShard], on_bad_record: str) -> None:
+    """Under `on_bad_record: error`, a record with no trained token after tokenizing (nothing of it would be
+    learned) is a bad record like any other: one line naming it. Under `reject` it is counted and listed in the
+    spans stage's rejects file."""
+    if on_bad_record != "error":
+        return
+    for shard in tokenized:
+        if shard.rejected_reasons.get("no_trained_tokens") and shard.rejects_path:
+            with open(shard.rejects_path, encoding="utf-8") as f:
+                first = next(r for r in map(json.loads, f) if r["reason"] == "no_trained_tokens")
+            raise ValueError(
+                f"{first['source']}: no token of this record is trained (its trained text tokenizes to nothing, or "
+                "it has no trained turn); fix the record, or set data.render.on_bad_record: reject to count it and "
+                f"go on (rejected records are listed in {shard.rejects_path})"
+            )
 
 
 def local_path(spec: SourceSpec, work: Path, logger) -> str:

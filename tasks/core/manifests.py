@@ -66,6 +66,7 @@ class TokenizedShard(Manifest):
     rejected_reasons: dict[str, int] = {}
     config_sha256: str
     tokenizer_backend: str | None = None  # "hf" or "tiktoken"; None in manifests written before it was recorded
+    rejects_path: str | None = None  # JSONL of the rejected documents' sources and reasons, when there are any
 
 
 class PbinShard(Manifest):

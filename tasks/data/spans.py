@@ -73,6 +73,7 @@ class TokenizeStats(BaseModel):
     truncated: int
     rejected: dict[str, int]
     tokenizer_backend: Literal["hf", "tiktoken"]
+    rejects_path: str | None = None  # one JSON line per rejected document: its source (file:line) and reason
 
 
 def _fast_backend(tokenizer):
@@ -223,7 +224,8 @@ def _adds_eos(policy: str, text: str, ids, offsets, mask, eos_id: int, stops: fr
 
 def _tokenize(
     docs: list[RenderedDoc], tokenizer, config: SpansConfig
-) -> tuple[list[TokenizedDoc], Counter, int, Literal["hf", "tiktoken"]]:
+) -> tuple[list[TokenizedDoc], list[tuple[str, str]], int, Literal["hf", "tiktoken"]]:
+    """The kept documents, the rejected ones as `(source, reason)`, the number truncated, and the backend."""
     backend = _fast_backend(tokenizer)
     bos_id = tokenizer.bos_token_id if config.bos == "auto" and _adds_bos(tokenizer) else None
     eos_id = tokenizer.eos_token_id
@@ -232,7 +234,7 @@ def _tokenize(
     stops = _end_of_turn_ids(tokenizer) if eos_id is not None else frozenset()
     fast = _fast_encoder(docs, tokenizer, backend, config.tokenizer_backend)
     out: list[TokenizedDoc] = []
-    rejected: Counter[str] = Counter()
+    rejected: list[tuple[str, str]] = []
     truncated = 0
     for doc, (ids, offsets) in zip(docs, _encodings(docs, backend, fast, config.batch_size), strict=True):
         mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
@@ -244,11 +246,11 @@ def _tokenize(
             ids = np.concatenate((ids, [eos_id]))
             mask = np.concatenate((mask, [True]))
         if not mask.any():
-            rejected["no_trained_tokens"] += 1
+            rejected.append((doc.source, "no_trained_tokens"))
             continue
         if config.max_length is not None and len(ids) > config.max_length:
             if config.length_policy == "drop" or not mask[: config.max_length].any():
-                rejected["too_long"] += 1
+                rejected.append((doc.source, "too_long"))
                 continue
             ids, mask = ids[: config.max_length], mask[: config.max_length]
             truncated += 1
@@ -262,7 +264,7 @@ def tokenize_docs(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tu
     Reasons: `no_trained_tokens`, `too_long` (dropped, or nothing trained left after truncation).
     """
     out, rejected, _, _ = _tokenize(docs, tokenizer, config)
-    return out, dict(rejected)
+    return out, dict(Counter(reason for _, reason in rejected))
 
 
 # transformers imports its modules lazily, and not thread-safely: two shards tokenized at once on the thread runner,
@@ -292,7 +294,14 @@ def tokenize_rendered_shard(
     from sftflow.tasks.data.render import read_rendered_shard
 
     tokenizer = _load_tokenizer(tokenizer_path)
-    docs, rejected, truncated, backend = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)
+    docs, rejects, truncated, backend = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)
+    out_path = Path(out_path)
+    rejects_path = None
+    if rejects:  # every rejected document by its source, so that it can be found
+        rejects_path = out_path.with_name(out_path.name + ".rejects.jsonl")
+        with atomic_writer(rejects_path) as f:
+            for source, reason in rejects:
+                f.write((json.dumps({"source": source, "reason": reason}, ensure_ascii=False) + "\n").encode())
     lengths = np.array([len(d.input_ids) for d in docs], dtype=np.int64)
     span_counts = np.array([len(d.loss_spans_S2) for d in docs], dtype=np.int64)
     doc_ptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
@@ -304,7 +313,6 @@ def tokenize_rendered_shard(
     extra = {}
     if any(t is not None for t in tags):
         extra["tags"] = np.frombuffer(json.dumps(tags, ensure_ascii=False).encode(), dtype=np.uint8)
-    out_path = Path(out_path)
     with atomic_writer(out_path) as f:
         np.savez(
             f,
@@ -322,8 +330,9 @@ def tokenize_rendered_shard(
         tokens=int(lengths.sum()),
         loss_tokens=int(sum(d.loss_token_count for d in docs)),
         truncated=truncated,
-        rejected=dict(rejected),
+        rejected=dict(Counter(reason for _, reason in rejects)),
         tokenizer_backend=backend,
+        rejects_path=str(rejects_path) if rejects_path is not None else None,
     )
 
 

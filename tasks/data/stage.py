@@ -198,6 +198,7 @@ def spans_task(
         rejected_reasons=dict(stats.rejected),
         config_sha256=sha256_json(config.model_dump(mode="json")),
         tokenizer_backend=stats.tokenizer_backend,
+        rejects_path=stats.rejects_path,
     )
 
 

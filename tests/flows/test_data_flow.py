@@ -129,6 +129,25 @@ def test_rejects_are_counted_instead_of_failing(tmp_path, demo):
     assert result.index.num_train == 1
 
 
+def test_a_record_with_nothing_trained_is_found_by_its_line(tmp_path, demo):
+    """A conversation with no assistant turn renders, but none of its tokens is trained: under `on_bad_record:
+    error` it stops the stage with its file:line, under `reject` it is counted and listed by file:line."""
+    source = tmp_path / "untrained.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    rows = [good, {"messages": [{"role": "user", "content": "only a question"}]}, good]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = DataConfig(sources=[str(source)], tokenizer=str(demo["tokenizer"]), render={"template": "chatml"})
+    with pytest.raises(ValueError, match=rf"^{source}:2: no token of this record is trained"):
+        run_data(config, str(tmp_path / "work-error"))
+    config = config.model_copy(update={"render": config.render.model_copy(update={"on_bad_record": "reject"})})
+    result = run_data(config, str(tmp_path / "work-reject"))
+    assert result.summary()["records_rejected_spans"] == 1
+    (listing,) = result.spans_rejects()
+    assert listing in result.summary()["rejects"]
+    rejected = [json.loads(line) for line in Path(listing).read_text().splitlines()]
+    assert rejected == [{"source": f"{source}:2", "reason": "no_trained_tokens"}]
+
+
 def test_cli_data_and_inspect(tmp_path, demo):
     from typer.testing import CliRunner
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pydantic
@@ -312,10 +313,12 @@ def test_npz_shard_round_trip(tmp_path, tiny_tokenizer, tiny_tokenizer_dir):
         assert shard["doc_ptr"].tolist()[-1] == stats.tokens
     loaded = load_tokenized_shard(stats.out_path)
     assert [d.source for d in loaded] == ["src:1", "src:3"]
+    listed = [json.loads(line) for line in Path(stats.rejects_path).read_text().splitlines()]
+    assert listed == [{"source": "src:2", "reason": "no_trained_tokens"}]  # a rejected document can be found
     for a, b in zip(loaded, expected, strict=True):
         assert a.input_ids.tolist() == b.input_ids.tolist()
         assert a.loss_spans_S2.tolist() == b.loss_spans_S2.tolist()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["t.npz"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["t.npz", "t.npz.rejects.jsonl"]
 
 
 def test_spans_config_validation_names_the_field(tiny_tokenizer):
