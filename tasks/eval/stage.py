@@ -23,8 +23,10 @@ from sftflow.tasks.eval.report import markdown_summary, metrics_table, plot_loss
 def load_model(ref: ModelRef, vocab_size: int | None) -> torch.nn.Module:
     """A Hugging Face folder, preset or config; a PEFT adapter folder (a LoRA run exported without `merge`) is loaded
     onto the base it names and merged."""
+    from sftflow.tasks.train.export import verify_export
     from sftflow.tasks.train.model import build_model
 
+    verify_export(ref.spec)  # an sftflow export carries CHECKSUMS: a damaged or half-written one is refused
     adapter = Path(ref.spec) / "adapter_config.json"
     if adapter.is_file():
         from peft import PeftModel

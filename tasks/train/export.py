@@ -13,12 +13,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.train.checksums import CHECKSUMS
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +167,8 @@ def export_streamed(
     if model.can_generate():
         model.generation_config.save_pretrained(staging)
     _ship_extras(staging, out, tokenizer, source, chat_template)
+    _with_umask_permissions(staging)
+    _write_listing(staging)  # what every reader of the folder checks (`verify_export`)
     _move_in(staging, out)
     return out
 
@@ -210,14 +217,58 @@ def _ship_extras(folder: Path, out: Path, tokenizer: str | None, source: str | N
 
 def _move_in(staging: Path, out: Path) -> None:
     """Replace the weights (and the other files written) in `out` with `staging`'s complete ones; what else `out`
-    holds (a LoRA run's `adapter/`) stays."""
+    holds (a LoRA run's `adapter/`) stays.
+
+    Each file is replaced by a rename (a reader opens the old file or the new one, never a gap), the old weight files
+    the new export does not have are removed after, and `CHECKSUMS` comes last: until it does, the folder's listing is
+    the old one, so a reader that checks it (`verify_export`) refuses a folder caught halfway instead of loading old
+    and new shards together."""
     out.mkdir(parents=True, exist_ok=True)
+    new_names = {new.name for new in staging.iterdir()}
+    for new in sorted(staging.iterdir(), key=lambda p: p.name == CHECKSUMS):
+        if new.name != CHECKSUMS:
+            new.replace(out / new.name)
     for old in out.iterdir():
-        if old.is_file() and _WEIGHT_FILES.match(old.name):
+        if old.is_file() and _WEIGHT_FILES.match(old.name) and old.name not in new_names:
             old.unlink()
-    for new in staging.iterdir():
-        new.replace(out / new.name)
+    (staging / CHECKSUMS).replace(out / CHECKSUMS)
     staging.rmdir()
+
+
+def _write_listing(folder: Path) -> None:
+    """`CHECKSUMS`: the sha256 of every file under `folder`, by relative path."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    write_atomic(folder / CHECKSUMS, "".join(f"{sha256_file(p)}  {p.relative_to(folder)}\n" for p in files))
+
+
+def _with_umask_permissions(folder: Path) -> None:
+    """The files as the user's umask makes any file (safetensors writes its own with mode 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in folder.rglob("*"):
+        if file.is_file():
+            file.chmod(0o666 & ~mask)
+
+
+def verify_export(folder: str | Path) -> None:
+    """Raise `ValueError` naming the first file of an exported folder that differs from its `CHECKSUMS` (or is
+    missing). A folder without the listing (a hub model, an older export) is not checked."""
+    folder = Path(folder)
+    listing = folder / CHECKSUMS
+    if not listing.is_file():
+        return
+    for line in listing.read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, name = line.split("  ", 1)
+        file = folder / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing from the exported model {folder} (listed in {listing})")
+        if sha256_file(file) != digest:
+            raise ValueError(
+                f"{file} does not match its sha256 in {listing}: the exported model is damaged, or was being "
+                "rewritten while read; export it again (or wait for the export to finish)"
+            )
 
 
 def tokenizer_source(model_spec: str, tokenizer: str | None) -> str | None:

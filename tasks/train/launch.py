@@ -347,6 +347,9 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
         )
         if refusal is not None:
             raise ValueError(refusal)
+    from sftflow.tasks.train.export import verify_export
+
+    verify_export(config.model)  # a model folder sftflow exported is checked against its CHECKSUMS before it is read
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
         verify_checksums(checkpoint, config.trust_checkpoint)  # before any reader unpickles its .metadata

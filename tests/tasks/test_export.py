@@ -122,6 +122,36 @@ def test_a_second_export_replaces_the_weights_and_keeps_the_rest(tmp_path):
     assert _stored(out).keys() == set(saved_tensor_names(model))
 
 
+def test_an_export_carries_checksums_that_its_readers_check(tmp_path):
+    """The folder lists every file's sha256; evaluation and training refuse a damaged file or one left from another
+    export (a folder caught mid-swap), naming it; files have the user's umask, not 0600."""
+    import os
+
+    from sftflow.tasks.core.manifests import ModelRef
+    from sftflow.tasks.eval.stage import load_model
+    from sftflow.tasks.train.export import verify_export
+
+    model = _model("llama3_untied")
+    state = dict(model.state_dict())
+    out = export_hf(state, model.config, tmp_path / "hf", tokenizer=None)
+    listed = {line.split("  ", 1)[1] for line in (out / "CHECKSUMS").read_text().splitlines()}
+    assert listed == {p.name for p in out.iterdir() if p.name != "CHECKSUMS"} and "model.safetensors" in listed
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    verify_export(out)
+    load_model(ModelRef(spec=str(out)), vocab_size=None)  # an intact export loads
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model.safetensors does not match its sha256 in .*CHECKSUMS"):
+        load_model(ModelRef(spec=str(out)), vocab_size=None)
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"model.safetensors is missing from the exported model"):
+        verify_export(out)
+
+
 def test_a_state_dict_that_does_not_match_the_model_is_refused(tmp_path):
     model = _model("llama3_untied")
     state = dict(model.state_dict())
