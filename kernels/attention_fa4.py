@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops
+from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops, op_arguments
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -148,8 +148,5 @@ def fa4_varlen_attention(
     # Contiguous: FlashAttention-4 writes o, dq, dk and dv contiguous whatever its inputs' strides, and the ops' fake
     # kernels promise the inputs' layout (`empty_like`), which a compiled graph checks.
     q, k, v = (x.contiguous() for x in (q_THD, k_TKD, v_TKD))
-    cu = cu_seqlens if cu_seqlens.device == q.device else cu_seqlens.to(q.device)
-    window = NO_WINDOW if window is None else min(int(window), NO_WINDOW)
-    if window < 1:
-        raise ValueError(f"window={window}: a query must see at least itself")
+    cu, window = op_arguments(cu_seqlens, q.device, window)
     return fa4_attention_op(q, k, v, cu.to(torch.int32), int(max_seqlen), scale, window)[0]

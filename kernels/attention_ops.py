@@ -29,6 +29,15 @@ NO_WINDOW = (
 )  # "no sliding window": larger than any row (kernels compare positions with position - window in int32)
 
 
+def op_arguments(cu_seqlens: torch.Tensor, device: torch.device, window: int | None) -> tuple[torch.Tensor, int]:
+    """The ops' `cu_seqlens` (on `device`) and `window` (`NO_WINDOW` for none), checked."""
+    cu = cu_seqlens if cu_seqlens.device == device else cu_seqlens.to(device)
+    window = NO_WINDOW if window is None else min(int(window), NO_WINDOW)
+    if window < 1:
+        raise ValueError(f"window={window}: a query must see at least itself")
+    return cu, window
+
+
 def attention_flops(q_shape, max_seqlen: int, window: int) -> int:
     T, H, D = q_shape
     return 2 * 2 * T * H * D * max(min(max_seqlen, window, T) // 2, 1)

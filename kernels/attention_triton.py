@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops
+from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops, op_arguments
 
 LOG2E = 1.4426950408889634
 
@@ -776,10 +776,7 @@ def triton_varlen_attention(
     if q_THD.numel() >= 2**31 or k_TKD.numel() >= 2**31:
         raise ValueError(f"q {tuple(q_THD.shape)} has 2**31 or more elements; the kernel indexes in int32")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_THD, k_TKD, v_TKD))
-    cu = cu_seqlens if cu_seqlens.device == q.device else cu_seqlens.to(q.device)
-    window = NO_WINDOW if window is None else min(int(window), NO_WINDOW)
-    if window < 1:
-        raise ValueError(f"window={window}: a query must see at least itself")
+    cu, window = op_arguments(cu_seqlens, q.device, window)
     if config is None:
         return varlen_attention_op(q, k, v, cu.to(torch.int32), int(max_seqlen), scale, window)[0]
     config = resolve_config(D, H != k.shape[1], q.device, config, max_seqlen=int(max_seqlen))
