@@ -6,9 +6,10 @@
 #   bash benchmarks/fa4_suite.sh LOGDIR [STEP ...]   # flash-attn-4 and sftflow importable (pip install -e ".[hopper]")
 #
 # STEPs (default: all, in this order): tests_fa4 train_16k train_32k_long attention_packed attention_long
-# tests_families train_32k_long_triton tests_gpu_other. Each writes LOGDIR/<step>.log (and its benchmark's
-# JSON/Markdown) and appends "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps
-# run under `timeout`, so one that hangs costs its limit and no more. Figures from it are recorded in
+# tests_families train_32k_long_triton tests_gpu_other; also train_64k_long (64k rows against the peer with
+# checkpointing). Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
+# "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
+# that hangs costs its limit and no more. Figures from it are recorded in
 # benchmarks/RESULTS.md with the date, GPU and versions.
 set -u
 LOG=${1:?usage: fa4_suite.sh LOGDIR [STEP ...]}
@@ -19,6 +20,7 @@ export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$LOG/../fa4-cache}
 TT="python3 benchmarks/train_throughput.py --preset llama1b --compile-warmup 8 --warmup 4 --profile-steps 3"
 LONG32="--row-tokens 32768 --median-length 16384 --min-length 4096 --max-length 32768"
+LONG64="--row-tokens 65536 --median-length 16384 --min-length 4096 --max-length 65536"
 ATT="python3 benchmarks/attention.py --variants flash_attn_4 fa4-nondet fa4-direct triton torch"
 SHAPES="32,8,64;16,4,128;16,8,256"
 
@@ -50,6 +52,7 @@ for s in $STEPS; do
     train_16k_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 100 --out "$LOG/$s" ;;
     train_32k_long_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 40 $LONG32 --out "$LOG/$s" ;;
     train_32k_long) step "$s" 590 $TT --modes D,Cn@fa4 --steps 100 $LONG32 --out "$LOG/$s" ;;
+    train_64k_long) step "$s" 590 $TT --modes D,Cnac@fa4 --steps 40 $LONG64 --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
