@@ -31,41 +31,16 @@ Backends: ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``reference
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sftflow.kernels import dispatch
+from sftflow.kernels.adamw_tensors import AdamWHyper, MasterTensors
 
 KERNEL = "adamw"
 ENV_VAR = "SFTFLOW_ADAMW"
 
 BACKENDS = dispatch.TRITON_OR_REFERENCE
 PREFERENCE = dispatch.TRITON_ON_CUDA
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdamWHyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-
-
-@dataclass(frozen=True)
-class MasterTensors:
-    """One parameter's tensors: `param` (bf16 or fp32: what the model computes with), `grad` (param's shape, any
-    float dtype), `low` (int16, the master's low bits, for bf16 params; None for fp32 params, which are their own
-    master), fp32 `exp_avg` and `exp_avg_sq`, and the 0-d fp32 `step`."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    low: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: torch.Tensor
-
 
 SPLIT_CHUNK = 1 << 24  # elements split at a time: the int64 arithmetic takes ~40 bytes an element while it runs
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sftflow.kernels.adamw import AdamWHyper, MasterTensors
+from sftflow.kernels.adamw_tensors import AdamWHyper, MasterTensors
 
 BLOCK = 4096
 NUM_WARPS = 8

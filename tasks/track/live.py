@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.track.config import MLflowTarget, TrackConfig, WandbTarget
+from sftflow.tasks.track.prefect_link import prefect_tags
 from sftflow.tasks.track.record import step_rows
 from sftflow.tasks.track.sinks import (
     check_reachable,
@@ -284,7 +285,6 @@ class LiveTracker:
         self._attempt: _Attempt | None = None
 
     def start(self, run_dir: Path) -> None:
-        from sftflow.tasks.track.stage import prefect_tags  # that module reads this one's state
         from sftflow.tasks.train.checkpoint import latest_checkpoint  # imports torch: not at the CLI's start
 
         # Taken here, in the calling task's context: the thread has none.

@@ -25,25 +25,10 @@ from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import EvalReport, PromoteResult, TrainResult
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.track.live import LiveRun, read_live_runs, write_live_runs
+from sftflow.tasks.track.prefect_link import prefect_tags
 from sftflow.tasks.track.record import RunRecord, flatten, step_rows
 from sftflow.tasks.track.sinks import TrackedRun, register_in_mlflow, to_mlflow, to_tensorboard, to_wandb
 from sftflow.tasks.train.metrics import read_metrics
-
-
-def prefect_tags() -> dict[str, str]:
-    """The current Prefect flow run, for the tracker to link back to."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return {}
-    from prefect.runtime import flow_run
-
-    tags = {"prefect.flow_run_id": str(context.flow_run.id), "prefect.flow_run_name": context.flow_run.name}
-    url = flow_run.ui_url  # None when no UI URL is configured
-    if url:
-        tags["prefect.flow_run_url"] = str(url)
-    return tags
 
 
 def run_record(
