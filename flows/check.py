@@ -4,7 +4,8 @@
                  ├─▶ ids and masks = HF apply_chat_template(..., return_assistant_tokens_mask=True)
                  ├─▶ ids = the model's own template (when the data is rendered with another one)
                  ├─▶ one stop per trained turn
-                 └─▶ first-step loss and gradients of a packed row = HF eager forward per document
+                 ├─▶ first-step loss and gradients of a packed row = HF eager forward per document
+                 └─▶ a few steps: 2 ranks = 1 rank; resumed from a checkpoint = uninterrupted (torchrun, gloo)
 
 `run_checks` is the plain function (the CLI calls it); the flow wraps it for deployments, publishes the table as an
 artifact, and fails when a check fails, so a deployment can gate training on it.
@@ -80,6 +81,13 @@ def run_checks(cfg: SFTConfig) -> CheckReport:
         packed=packed,
     )
     rows += loss_rows(result, cfg.check.loss_rtol, cfg.check.grad_rtol, left_out, "packed" if packed else "padded")
+    if cfg.check.steps:
+        from sftflow.tasks.check.training import run_training_checks, training_rows
+
+        runs = run_training_checks(
+            cfg.train, trained, len(tokenizer), tokenizer_files.path, work / "check", cfg.check.steps
+        )
+        rows += training_rows(*runs, cfg.check.steps, cfg.check.ranks_rtol)
     return CheckReport(rows=rows)
 
 

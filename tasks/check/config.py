@@ -17,6 +17,10 @@ class CheckConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the loss check runs (auto: a GPU if any)")
     loss_rtol: float = Field(1e-5, gt=0, description="largest relative difference of the loss from Hugging Face's")
+    steps: int = Field(
+        3, ge=0, description="steps of the training checks (2 ranks = 1 rank, resume), on the CPU; 0 skips them"
+    )
+    ranks_rtol: float = Field(1e-4, gt=0, description="largest relative difference of 2 ranks' losses and weights")
     grad_rtol: float = Field(
         1e-4, gt=0, description="largest relative difference (L2) of any parameter's gradient from Hugging Face's"
     )

@@ -21,7 +21,7 @@ def test_sft_check_completes_with_its_table_and_fails_on_a_failed_check(tmp_path
         "work_dir": str(tmp_path / "work"),
         "data": {"sources": [str(source)], "tokenizer": str(tiny_tokenizer_dir)},
         "train": {"model": str(model)},
-        "check": {"device": "cpu"},
+        "check": {"device": "cpu", "steps": 0},
     }
     state = sft_check(config=SFTConfig.model_validate(raw), return_state=True)
     assert state.is_completed()

@@ -57,7 +57,7 @@ def _config(tmp_path, source, tokenizer_dir, model, **sections) -> SFTConfig:
         "work_dir": str(tmp_path / "work"),
         "data": {"sources": [str(source)], "tokenizer": str(tokenizer_dir), **sections.pop("data", {})},
         "train": {"model": str(model)},
-        "check": {"device": "cpu"},
+        "check": {"device": "cpu", "steps": 0},
         **sections,
     }
     return SFTConfig.model_validate(raw)
@@ -152,7 +152,8 @@ def test_a_turn_whose_stop_is_not_trained_fails_and_the_command_exits_1(tmp_path
     data = {"sources": [str(plain_source)], "tokenizer": str(tiny_tokenizer_dir)}
     data["render"] = {"template": str(template)}
     data["spans"] = {"eos": "never"}
-    config.write_text(json.dumps({"data": data, "train": {"model": str(model)}, "check": {"device": "cpu"}}))
+    check = {"device": "cpu", "steps": 0}
+    config.write_text(json.dumps({"data": data, "train": {"model": str(model)}, "check": check}))
     result = CliRunner().invoke(app, ["check", str(config), "--work-dir", str(tmp_path / "work")])
     assert result.exit_code == 1, result.output
     lines = {line.split()[0] + " " + line.split()[1]: line for line in result.output.splitlines() if "  " in line}
@@ -207,3 +208,38 @@ def test_real_tokenizers_ids_and_masks_equal_hf(shared_data, tmp_path):
             own = ids_match_own_template(docs, tokenizer, template)
             if name == "plain" and own is not None:
                 assert own.passed, (folder.name, own)
+
+
+@pytest.mark.slow
+def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir):
+    """Three torchrun launches (2 ranks, 1 rank, resumed from step 1) of two steps on the sample."""
+    from sftflow.tasks.check.training import run_training_checks, training_rows
+    from sftflow.tasks.train.config import TrainOptions
+
+    docs, _ = _docs(tiny_tokenizer, source)
+    model = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "model")
+    options = TrainOptions(model=str(model), lr=1e-3, warmup_steps=0)
+    trained = [d.trained for d in docs]
+    runs = run_training_checks(options, trained, len(tiny_tokenizer), str(tiny_tokenizer_dir), tmp_path / "runs", 2)
+    ranks, resume = training_rows(*runs, 2, 1e-4)
+    assert ranks.passed and resume.passed, (ranks, resume)
+    assert resume.measured == f"losses 1/1, tensors {len(runs[0].weights)}/{len(runs[0].weights)} bit-equal"
+
+
+def test_training_rows_fail_on_a_resume_that_differs_and_ranks_that_drift():
+    """The comparison itself: a resumed run one ulp off at step 2 fails the bit-exact row, naming the step; a
+    one-rank run off by 1e-3 fails the ranks row."""
+    import torch
+
+    from sftflow.tasks.check.training import RunRecord, training_rows
+
+    weights = {"model.w": torch.arange(6, dtype=torch.float32)}
+    two = RunRecord(losses={1: 3.0, 2: 2.5}, weights=weights)
+    resumed = RunRecord(losses={2: float(np.nextafter(2.5, 3.0))}, weights=dict(weights))
+    one = RunRecord(losses={1: 3.0, 2: 2.5 * (1 + 1e-3)}, weights=dict(weights))
+    ranks, resume = training_rows(two, one, resumed, 2, 1e-4)
+    assert not ranks.passed and ranks.measured.startswith("losses rel 1.0e-03")
+    assert not resume.passed and resume.measured == "losses 0/1, tensors 1/1 bit-equal"
+    assert resume.detail.startswith("step 2: loss 2.5000000000000004 resumed")
+    ranks, resume = training_rows(two, two, two, 2, 1e-4)
+    assert ranks.passed and resume.passed
