@@ -88,6 +88,18 @@ def test_loss_check_holds_on_a_tiny_model_of_every_family(name, tmp_path, source
     assert all(row.passed for row in loss_rows(result, 1e-5, 1e-4, 0, "packed")), result
 
 
+def test_loss_check_of_a_padded_plan_runs_the_models_own_attention(tmp_path, source, tiny_tokenizer):
+    """`plan.mode: padded`: one document a row with the stock attention and its mask, against the same reference."""
+    import torch
+
+    docs, _ = _docs(tiny_tokenizer, source)
+    folder = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "qwen2_5")
+    result = compare_first_step(
+        str(folder), [d.trained for d in docs], vocab_size=len(tiny_tokenizer), device=torch.device("cpu"), packed=False
+    )
+    assert all(row.passed for row in loss_rows(result, 1e-5, 1e-4, 0, "padded")), result
+
+
 def test_a_dropped_sliding_window_fails_the_loss_check(tmp_path, source, tiny_tokenizer, monkeypatch):
     """sftflow's attention made to ignore Mistral's window (the reference keeps it): both rows fail."""
     import torch
