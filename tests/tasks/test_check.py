@@ -184,6 +184,19 @@ def test_eos_auto_does_not_mend_turns_whose_stop_is_untrained(tiny_tokenizer, tm
     assert not row.passed and row.measured == "0/4 turns"
 
 
+def test_the_command_passes_on_the_bundled_demo(tmp_path):
+    result = CliRunner().invoke(app, ["check", "--work-dir", str(tmp_path), "--set", "check.steps=0"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split("  ")[0] for line in result.output.splitlines() if "  PASS  " in line]
+    assert rows == [
+        "ids and masks = HF",
+        "one stop per trained turn",
+        "first-step loss = HF eager",
+        "first-step grads = HF eager",
+    ]
+    assert "all checks pass" in result.output
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_tokenizer_dir):
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({"data": {"sources": ["missing.jsonl"], "tokenizer": str(tiny_tokenizer_dir)}}))
