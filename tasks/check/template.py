@@ -49,13 +49,10 @@ def _first_difference(tokenizer, ours: np.ndarray, theirs: np.ndarray) -> str:
     return f"token {k}: sftflow {show(ours, k)}, Hugging Face {show(theirs, k)} ({len(ours)} vs {len(theirs)} tokens)"
 
 
-def ids_and_masks_match_hf(
-    docs: list[SampledDoc], tokenizer, template: ChatTemplate, mask_policy: str, name: str = "ids and masks = HF"
-) -> CheckRow:
+def ids_and_masks_match_hf(docs: list[SampledDoc], tokenizer, template: ChatTemplate, mask_policy: str) -> CheckRow:
     with_mask = template.has_generation_tag and mask_policy == "generation"
     compared = [d for d in docs if d.conversation is not None and d.templated is not None]
-    if not with_mask:
-        name = "ids = HF"
+    name = "ids and masks = HF" if with_mask else "ids = HF"
     if not compared:
         return CheckRow(name=name, passed=True, measured="0 documents", bound="equal", detail="no chat records")
     id_failures, mask_failures, tokens_off = [], [], 0
