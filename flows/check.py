@@ -93,8 +93,9 @@ def run_checks(cfg: SFTConfig) -> CheckReport:
 
 @flow(name="sft-check", log_prints=True)
 def sft_check(config_path: str | None = None, config: SFTConfig | None = None) -> CheckReport:
-    """Check the data's tokens and masks against Hugging Face, and the first training step against Hugging Face's
-    eager forward, on a sample of the data and the configured model; fail when a check fails."""
+    """Check the data's tokens and masks against Hugging Face, the first training step against Hugging Face's eager
+    forward, 2 ranks against 1 and a resumed run against an unbroken one, on a sample of the data and the configured
+    model; fail when a check fails."""
     from prefect.artifacts import create_markdown_artifact
 
     report = run_checks(resolve_config(config_path, config))
