@@ -10,7 +10,7 @@
   weights of the run that went on, bit for bit: a killed run resumes from its latest checkpoint the same way.
 
 Each run is the launcher sftflow trains with (`sftflow.tasks.train.launch.train`), with the run config's `train`
-options (model, optimizer, LoRA, ...) but on the CPU, in fp32, without compiling or exporting.
+options (model, optimizer, LoRA, ...) but on the CPU, in fp32, with FSDP, without compiling, exporting or quantizing.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def run_training_checks(
         num_threads=1,  # the same float summation order in one process as in two
         optimizer_in_backward=False,  # both are for one GPU (parallel: single)
         optimizer_offload="off",
+        quantize="none",  # nf4 needs a GPU: a QLoRA config is checked as LoRA on the fp32 base
     )
     records = {}
     for name, nproc in (("two-ranks", 2), ("one-rank", 1)):
