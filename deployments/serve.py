@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefect import serve
 
+from sftflow.flows.check import sft_check
 from sftflow.flows.data import sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
@@ -60,6 +61,12 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *", refresh_then:
         ),
         sft_promote.to_deployment(
             name="gate", parameters=params, description="Promote the latest trained model if it beats the champion"
+        ),
+        sft_check.to_deployment(
+            name="gate",
+            parameters=params,
+            description="Check the data's tokens and masks and the first training steps against Hugging Face; "
+            "fails when a check fails, so it can gate training",
         ),
     ]
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sftflow.tasks.check.config import CheckConfig
 from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.render import RenderConfig
@@ -163,6 +164,7 @@ class SFTConfig(BaseModel):
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
     track: TrackConfig = TrackConfig()
+    check: CheckConfig = CheckConfig()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:

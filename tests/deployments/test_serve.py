@@ -39,6 +39,7 @@ DEPLOYMENTS = (
     "sft/promote",
     "sft-promote/gate",
     "sft-refresh/chain",
+    "sft-check/gate",
 )
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 CRASH_LR = 7e-4  # the run with this learning rate crashes after step 1, once (tests/crash_shim); the others do not

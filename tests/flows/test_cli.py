@@ -189,7 +189,7 @@ def test_every_default_is_the_config_models_own():
     from sftflow.flows import cli
     from sftflow.flows.config import config_field
 
-    for command in (cli.data, cli.plan, cli.train, cli.eval_command, cli.run):
+    for command in (cli.data, cli.plan, cli.train, cli.eval_command, cli.run, cli.check):
         for name, key in cli._config_keys(command).items():
             assert inspect.signature(command).parameters[name].default in (None, False), (command.__name__, name)
             config_field(key)  # a real field
@@ -200,7 +200,7 @@ def test_every_default_is_the_config_models_own():
 def test_help_shows_what_options_take_not_their_types():
     """No `<str>`/`<bool>` tags: a flag shows nothing, a value a word (N, PATH, TEXT) or its choices, and options
     a command needs without a config file say so."""
-    for command in ("data", "plan", "train", "eval", "inspect", "run", "promote", "server"):
+    for command in ("data", "plan", "train", "eval", "inspect", "run", "promote", "server", "check"):
         result = invoke(command, "--help")
         assert result.exit_code == 0, result.output
         assert "<str>" not in result.output and "<bool>" not in result.output and "<int>" not in result.output

@@ -1,0 +1,1 @@
+"""`sftflow check`: the correctness checks a user runs on their own model and data before training."""

@@ -1,0 +1,26 @@
+"""The `check` section of a run config: how much of the user's data `sftflow check` samples, where it runs, and the
+bounds its comparisons are held to."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CheckConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    docs: int = Field(8, ge=1, description="documents sampled from the start of the sources (spread over them)")
+    max_tokens: int = Field(
+        4096, ge=2, description="tokens in the packed row the loss check builds (documents past it are left out)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the loss check runs (auto: a GPU if any)")
+    loss_rtol: float = Field(1e-5, gt=0, description="largest relative difference of the loss from Hugging Face's")
+    steps: int = Field(
+        3, ge=0, description="steps of the training checks (2 ranks = 1 rank, resume), on the CPU; 0 skips them"
+    )
+    ranks_rtol: float = Field(1e-4, gt=0, description="largest relative difference of 2 ranks' losses and weights")
+    grad_rtol: float = Field(
+        1e-4, gt=0, description="largest relative difference (L2) of any parameter's gradient from Hugging Face's"
+    )
