@@ -21,6 +21,7 @@ from sftflow.tasks.data.stage import (
     index_task,
     pbin_task,
     render_task,
+    source_file,
     source_files,
     spans_task,
     tokenizer_ref,
@@ -58,6 +59,7 @@ class DataResult(BaseModel):
             "docs_eval": self.index.num_eval,
             "tokens_train": self.index.num_train_tokens,
             "dropped": self.index.dropped,
+            **({"filtered_by_source": self.index.filtered_by_source} if self.index.filtered_by_source else {}),
             "index": self.index_dir,
         }
 
@@ -172,7 +174,13 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             shards = runner.map(
                 pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
             ).result()
-        dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named])
+        # The filters over words read the rendered text, and decontamination the benchmarks (keyed by content).
+        text = {}
+        if dcfg.index.reads_text:
+            text["rendered"] = rendered
+        if dcfg.index.decontaminate.action != "off":
+            text["benchmarks"] = [source_file(p) for p in dcfg.index.decontaminate.benchmarks]
+        dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named], **text)
         result = DataResult(
             work_dir=wd,
             tokenizer=tokenizer,

@@ -89,6 +89,8 @@ class DatasetIndex(Manifest):
     num_train_tokens: int
     num_eval_tokens: int
     dropped: dict[str, int]
+    # per source, the documents decontamination (dropped or flagged) and near-duplicate removal named; {} when off
+    filtered_by_source: dict[str, dict[str, int]] = {}
 
     @property
     def dir(self) -> Path:

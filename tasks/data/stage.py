@@ -21,12 +21,14 @@ from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text
 from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
+from sftflow.tasks.data.decontam import benchmark_ngrams
 from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
 from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
 from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
 from sftflow.tasks.data.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
+from sftflow.tasks.data.text_filters import TextFilters
 
 RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
 
@@ -226,9 +228,35 @@ def pbin_task(
 
 @stage_task(INDEX_CACHE, name="index", **RETRY)
 def index_task(
-    out_dir: Path, shards: list[PbinShard], config: IndexConfig, work_dir: str, sources: list[str] | None = None
+    out_dir: Path,
+    shards: list[PbinShard],
+    config: IndexConfig,
+    work_dir: str,
+    sources: list[str] | None = None,
+    rendered: list[RenderedShard] | None = None,
+    benchmarks: list[SourceFile] | None = None,
 ) -> DatasetIndex:
-    """`sources` names each shard's data source (what mixtures and per-source metrics refer to)."""
+    """`sources` names each shard's data source (what mixtures and per-source metrics refer to). The filters over
+    words (`config.reads_text`) read `rendered`, one per shard, and decontamination the `benchmarks` files (given
+    here with their content hashes, so that a changed benchmark rebuilds the index); the benchmark n-gram set is
+    cached in `work_dir/benchmarks/` by those contents alone."""
+    text_filters = None
+    if config.reads_text:
+        if rendered is None:
+            raise ValueError("index: decontamination and near-duplicate removal need the rendered shards")
+        decontam = config.decontaminate if config.decontaminate.action != "off" else None
+        benchmark = None
+        if decontam is not None:
+            benchmark = benchmark_ngrams([b.path for b in benchmarks or []], decontam, Path(work_dir) / "benchmarks")
+            stage_logger("sftflow.data").info(
+                "index: benchmark n-grams %s (%d n-grams of %d items) from %s",
+                "reused" if benchmark.reused else "built",
+                benchmark.counts["ngrams"],
+                benchmark.counts["items"],
+                benchmark.dir,
+            )
+        near = config.near_dedup if config.near_dedup.enabled else None
+        text_filters = TextFilters(decontaminate=decontam, benchmark=benchmark, near_dedup=near)
     info = build_index(
         [s.path for s in shards],
         out_dir,
@@ -238,6 +266,8 @@ def index_task(
         split_salt=config.split_salt,
         shard_sha256s=[s.sha256 for s in shards],
         shard_sources=sources,
+        text_filters=text_filters,
+        rendered_paths=[r.path for r in rendered] if text_filters is not None else None,
     )
     return DatasetIndex(
         path=str(info.path),
@@ -248,6 +278,7 @@ def index_task(
         num_train_tokens=info.num_train_tokens,
         num_eval_tokens=info.num_eval_tokens,
         dropped=dict(info.dropped),
+        filtered_by_source=info.filtered_by_source,
     )
 
 

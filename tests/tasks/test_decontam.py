@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
+from sftflow.flows.config import load_config
 from sftflow.tasks.data.decontam import Decontaminator, benchmark_ngrams
-from sftflow.tasks.data.index_config import DecontamConfig
+from sftflow.tasks.data.index_config import DecontamConfig, IndexConfig
 from sftflow.tasks.data.ngrams import WordHasher, mix64, text_ngrams, words
 from tests.tasks.text_filter_data import chat, sentence, write_benchmark
 
@@ -99,3 +100,16 @@ def test_a_document_counts_from_min_matches_shared_ngrams(tmp_path):
     assert check(" ".join(w + " x" for w in question.split())) is None
     strict = config.model_copy(update={"min_matches": 5})
     assert Decontaminator(benchmark_ngrams([bench], strict, tmp_path / "cache"), strict).check(planted) is None
+
+
+def test_benchmark_paths_in_a_run_config_are_relative_to_it(tmp_path):
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "run.yaml").write_text(
+        "data:\n  sources: [a.jsonl]\n  tokenizer: tok\n"
+        "  index: {decontaminate: {action: flag, benchmarks: [evals/gsm8k.jsonl]}, near_dedup: {enabled: true}}\n"
+    )
+    index = load_config(tmp_path / "run.yaml").data.index
+    assert index.decontaminate.benchmarks == [str(tmp_path / "evals" / "gsm8k.jsonl")]
+    assert index.reads_text and not IndexConfig().reads_text
+    with pytest.raises(ValueError, match=r"'data.index.near_dedup.threshold': Input should be less than or equal to 1"):
+        load_config(tmp_path / "run.yaml", {"data.index.near_dedup.threshold": "1.5"})
