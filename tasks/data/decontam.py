@@ -28,7 +28,7 @@ import numpy as np
 from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json
 from sftflow.tasks.data.index_config import DecontamConfig
-from sftflow.tasks.data.ngrams import WordHasher, ngram_hashes, text_ngrams, words
+from sftflow.tasks.data.ngrams import WordHasher, distinct_ngrams, ngram_hashes
 
 BENCHMARK_FORMAT_VERSION = 1
 
@@ -87,7 +87,7 @@ def _read_benchmarks(paths: Sequence[Path], config: DecontamConfig) -> tuple[np.
                 counts["items"] += 1
                 for text in _item_texts(path, line_number, record, config.fields):
                     counts["texts"] += 1
-                    g = ngram_hashes(hasher(words(text)), config.ngram)
+                    g = ngram_hashes(hasher.text(text), config.ngram)
                     counts["too_short"] += int(len(g) == 0)
                     grams.append(g)
                     items.append(np.tile(np.array([[position, line_number]], dtype=np.int64), (len(g), 1)))
@@ -161,15 +161,27 @@ class Match:
 
 
 class Decontaminator:
-    """Checks documents, one text at a time, against a benchmark set."""
+    """Checks documents, one at a time, against a benchmark set.
+
+    A bit table indexed by the top bits of an n-gram's hash (about 16 slots per benchmark n-gram) answers most
+    lookups, and only the few n-grams that land on a set slot are looked up in the sorted set.
+    """
+
+    _MAX_TABLE_BITS = 28
 
     def __init__(self, benchmark: BenchmarkNgrams, config: DecontamConfig):
-        self.benchmark, self.config, self._hasher = benchmark, config, WordHasher()
+        self.benchmark, self.config = benchmark, config
+        bits = int(np.clip(np.ceil(np.log2(max(len(benchmark.ngrams), 1) * 16)), 16, self._MAX_TABLE_BITS))
+        self._shift = np.uint64(64 - bits)
+        self._table = np.zeros(1 << bits, dtype=bool)
+        self._table[benchmark.ngrams >> self._shift] = True
 
-    def check(self, text: str) -> Match | None:
-        """The document's match when it shares at least `min_matches` n-grams with the benchmark set, else None."""
+    def check(self, word_hashes: np.ndarray) -> Match | None:
+        """The match of a document (its word hashes, `WordHasher.text`) when it shares at least `min_matches`
+        n-grams with the benchmark set, else None."""
         bench = self.benchmark.ngrams
-        grams = text_ngrams(text, self.config.ngram, self._hasher)
+        grams = distinct_ngrams(word_hashes, self.config.ngram)
+        grams = grams[self._table[grams >> self._shift]]
         if not len(grams) or not len(bench):
             return None
         at = np.minimum(np.searchsorted(bench, grams), len(bench) - 1)

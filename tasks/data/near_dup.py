@@ -2,7 +2,7 @@
 
 A document's shingles are its word `shingle`-grams (`sftflow.tasks.data.ngrams`; a text shorter than that is one
 shingle of all its words). Its MinHash signature holds, for each of `num_perm` seeded hash functions
-`h_k(x) = mix64(x ^ seed_k)`, the minimum of `h_k` over the shingles; the fraction of equal entries between two
+`h_k(x) = a_k·x + b_k mod 2**64`, the minimum of `h_k` over the shingles; the fraction of equal entries between two
 signatures estimates the Jaccard similarity of their shingle sets.
 
 LSH cuts a signature into `bands` bands of `rows` entries; two documents that agree on a whole band are candidates.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sftflow.tasks.data.index_config import NearDedupConfig
-from sftflow.tasks.data.ngrams import WordHasher, mix64, ngram_hashes, words
+from sftflow.tasks.data.ngrams import mix64, ngram_hashes
 
 _MAX_CELLS = 1 << 22  # shingles × permutations hashed at a time
 
@@ -46,16 +46,24 @@ def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
 
 
 def permutation_seeds(num_perm: int, seed: int) -> np.ndarray:
-    return mix64(np.arange(num_perm, dtype=np.uint64) + np.uint64(seed) * np.uint64(num_perm) + np.uint64(1))
+    """uint64 (2, num_perm): per hash function k, an odd multiplier `a_k` and an offset `b_k`."""
+    base = np.arange(2 * num_perm, dtype=np.uint64) + np.uint64(seed) * np.uint64(2 * num_perm) + np.uint64(1)
+    ab = mix64(base).reshape(2, num_perm)
+    ab[0] |= np.uint64(1)
+    return ab
 
 
 def minhash(shingles: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-    """uint64 (num_perm,): per seed, the minimum of `mix64(shingle ^ seed)` over the shingles (non-empty)."""
-    out = np.full(len(seeds), np.iinfo(np.uint64).max, dtype=np.uint64)
-    step = max(1, _MAX_CELLS // len(seeds))
-    for i in range(0, len(shingles), step):
-        chunk = shingles[i : i + step]
-        out = np.minimum(out, mix64(chunk[None, :] ^ seeds[:, None]).min(axis=1))
+    """uint64 (num_perm,): per k, the minimum of `a_k·x + b_k` (mod 2**64) over the shingle hashes x (non-empty).
+
+    A 2-universal family, as `datasketch` uses (there modulo a Mersenne prime); the shingle hashes are already
+    mixed (`ngram_hashes`), and the minimum is decided by the high bits, which depend on every bit of x."""
+    a, b = seeds[0][:, None], seeds[1][:, None]
+    out = np.full(seeds.shape[1], np.iinfo(np.uint64).max, dtype=np.uint64)
+    step = max(1, _MAX_CELLS // seeds.shape[1])
+    with np.errstate(over="ignore"):
+        for i in range(0, len(shingles), step):
+            out = np.minimum(out, (a * shingles[None, i : i + step] + b).min(axis=1))
     return out
 
 
@@ -70,7 +78,6 @@ class NearDuplicates:
     """Feed documents in order with `check`; each answers None (kept, and remembered) or the kept one it is near."""
 
     config: NearDedupConfig
-    _hasher: WordHasher = field(default_factory=WordHasher)
     _buckets: list[dict[bytes, list[int]]] = field(default_factory=list)
     _signatures: dict[int, np.ndarray] = field(default_factory=dict)
 
@@ -79,15 +86,15 @@ class NearDuplicates:
         self._seeds = permutation_seeds(self.config.num_perm, self.config.seed)
         self._buckets = [{} for _ in range(self.bands)]
 
-    def signature(self, text: str) -> np.ndarray | None:
-        word_hashes = self._hasher(words(text))
+    def signature(self, word_hashes: np.ndarray) -> np.ndarray | None:
         if not len(word_hashes):
             return None  # no words: nothing to compare
         shingles = np.unique(ngram_hashes(word_hashes, min(self.config.shingle, len(word_hashes))))
         return minhash(shingles, self._seeds)
 
-    def check(self, doc_id: int, text: str) -> NearMatch | None:
-        sig = self.signature(text)
+    def check(self, doc_id: int, word_hashes: np.ndarray) -> NearMatch | None:
+        """A document, by its word hashes (`WordHasher.text`): None when kept, else the kept one it is near."""
+        sig = self.signature(word_hashes)
         if sig is None:
             return None
         keys = [sig[b * self.rows : (b + 1) * self.rows].tobytes() for b in range(self.bands)]

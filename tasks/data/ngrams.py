@@ -38,11 +38,15 @@ def mix64(x: np.ndarray) -> np.ndarray:
 class WordHasher:
     """blake2b-64 per word, remembered (a corpus repeats its words)."""
 
-    def __init__(self, max_cached: int = 1 << 20):
+    def __init__(self, max_cached: int = 1 << 21):
         self._cache: dict[str, int] = {}
         self._max = max_cached
 
     def __call__(self, ws: list[str]) -> np.ndarray:
+        try:  # the common case once the vocabulary has been seen: one C-level pass
+            return np.fromiter(map(self._cache.__getitem__, ws), dtype=np.uint64, count=len(ws))
+        except KeyError:
+            pass
         cache, out = self._cache, np.empty(len(ws), dtype=np.uint64)
         for i, w in enumerate(ws):
             h = cache.get(w)
@@ -52,6 +56,10 @@ class WordHasher:
                     cache[w] = h
             out[i] = h
         return out
+
+    def text(self, text: str) -> np.ndarray:
+        """The hashes of `text`'s words, in order."""
+        return self(words(text))
 
 
 def ngram_hashes(word_hashes: np.ndarray, n: int) -> np.ndarray:
@@ -66,6 +74,6 @@ def ngram_hashes(word_hashes: np.ndarray, n: int) -> np.ndarray:
     return mix64(acc)
 
 
-def text_ngrams(text: str, n: int, hasher: WordHasher) -> np.ndarray:
-    """The distinct n-gram hashes of `text`, sorted."""
-    return np.unique(ngram_hashes(hasher(words(text)), n))
+def distinct_ngrams(word_hashes: np.ndarray, n: int) -> np.ndarray:
+    """The distinct n-gram hashes of a text's word hashes, sorted."""
+    return np.unique(ngram_hashes(word_hashes, n))

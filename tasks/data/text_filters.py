@@ -24,6 +24,7 @@ from sftflow.tasks.data.decontam import BenchmarkNgrams, Decontaminator
 from sftflow.tasks.data.doc_texts import shard_texts
 from sftflow.tasks.data.index_config import DecontamConfig, NearDedupConfig
 from sftflow.tasks.data.near_dup import NearDuplicates
+from sftflow.tasks.data.ngrams import WordHasher
 
 REJECTS = "rejects.jsonl"
 
@@ -63,6 +64,7 @@ def apply_text_filters(
     keep = np.ones(len(rows_shard), dtype=bool)
     kept_source: dict[int, str] = {}  # rows the near-duplicate filter remembers, by row
     rejects = []
+    hasher = WordHasher()
     for s in range(len(pbin_paths)):
         rows = np.flatnonzero(rows_shard == s)
         if not len(rows):
@@ -71,7 +73,8 @@ def apply_text_filters(
         counts = by_source[shard_source_names[s]]
         for doc, source, text in shard_texts(rendered_paths[s], pbin_paths[s], rows_doc[rows]):
             row = row_of_doc[doc]
-            if decontam is not None and (match := decontam.check(text)) is not None:
+            word_hashes = hasher.text(text)  # one pass over the words for both filters
+            if decontam is not None and (match := decontam.check(word_hashes)) is not None:
                 counts["contaminated"] += 1
                 action = filters.decontaminate.action
                 rejects.append(
@@ -87,7 +90,7 @@ def apply_text_filters(
                     keep[row] = False
                     continue
             if near is not None:
-                if (near_match := near.check(row, text)) is not None:
+                if (near_match := near.check(row, word_hashes)) is not None:
                     counts["near_duplicate"] += 1
                     rejects.append(
                         {

@@ -11,7 +11,7 @@ import pytest
 from sftflow.flows.config import load_config
 from sftflow.tasks.data.decontam import Decontaminator, benchmark_ngrams
 from sftflow.tasks.data.index_config import DecontamConfig, IndexConfig
-from sftflow.tasks.data.ngrams import WordHasher, mix64, text_ngrams, words
+from sftflow.tasks.data.ngrams import WordHasher, distinct_ngrams, mix64, words
 from tests.tasks.text_filter_data import chat, sentence, write_benchmark
 
 
@@ -32,12 +32,12 @@ def reference_ngrams(text: str, n: int) -> set[int]:
 
 def test_ngrams_ignore_case_punctuation_and_spacing_and_match_the_reference():
     hasher = WordHasher()
-    a = text_ngrams("The cat, sat on the HAT!  Then: it left.", 3, hasher)
-    b = text_ngrams("the cat sat on the hat then it left", 3, hasher)
+    a = distinct_ngrams(hasher.text("The cat, sat on the HAT!  Then: it left."), 3)
+    b = distinct_ngrams(hasher.text("the cat sat on the hat then it left"), 3)
     assert np.array_equal(a, b) and len(a) == 7
     assert set(a.tolist()) == reference_ngrams("the cat sat on the hat then it left", 3)
-    assert not np.array_equal(a, text_ngrams("the cat sat on the mat then it left", 3, hasher))
-    assert len(text_ngrams("too short", 3, hasher)) == 0
+    assert not np.array_equal(a, distinct_ngrams(hasher.text("the cat sat on the mat then it left"), 3))
+    assert len(distinct_ngrams(hasher.text("too short"), 3)) == 0
 
 
 def test_benchmark_set_is_cached_by_content_and_rebuilt_when_it_changes(tmp_path):
@@ -89,7 +89,10 @@ def test_a_document_counts_from_min_matches_shared_ngrams(tmp_path):
         tmp_path / "mc.jsonl", [{"question": sentence(rng, 16)}, {"question": question, "choices": choices}]
     )
     config = DecontamConfig(action="drop", benchmarks=[str(bench)])
-    check = Decontaminator(benchmark_ngrams([bench], config, tmp_path / "cache"), config).check
+    decontaminator = Decontaminator(benchmark_ngrams([bench], config, tmp_path / "cache"), config)
+
+    def check(text: str):
+        return decontaminator.check(WordHasher().text(text))
 
     planted = chat(question.upper().replace(" ", ", "), "the answer is 4")
     match = check(planted)
@@ -99,7 +102,8 @@ def test_a_document_counts_from_min_matches_shared_ngrams(tmp_path):
     assert check(chat(" ".join(question.split()[:12]), sentence(rng, 30))) is None
     assert check(" ".join(w + " x" for w in question.split())) is None
     strict = config.model_copy(update={"min_matches": 5})
-    assert Decontaminator(benchmark_ngrams([bench], strict, tmp_path / "cache"), strict).check(planted) is None
+    strict_check = Decontaminator(benchmark_ngrams([bench], strict, tmp_path / "cache"), strict).check
+    assert strict_check(WordHasher().text(planted)) is None
 
 
 def test_benchmark_paths_in_a_run_config_are_relative_to_it(tmp_path):

@@ -6,6 +6,7 @@ import numpy as np
 
 from sftflow.tasks.data.index_config import NearDedupConfig
 from sftflow.tasks.data.near_dup import NearDuplicates, lsh_params, minhash, permutation_seeds
+from sftflow.tasks.data.ngrams import WordHasher, mix64
 from tests.tasks.text_filter_data import change_words, sentence
 
 
@@ -18,9 +19,10 @@ def test_bands_and_rows_are_datasketchs_choice():
 
 def test_minhash_estimates_jaccard():
     seeds = permutation_seeds(256, seed=0)
-    base = np.arange(1000, dtype=np.uint64) * np.uint64(7919)
+    hashes = mix64(np.arange(2000, dtype=np.uint64))  # shingle hashes are mixed, as `ngram_hashes` gives them
+    base = hashes[:1000]
     for shared in (900, 500, 100):  # |A ∩ B| of two 1000-sets
-        other = np.concatenate([base[:shared], base[shared:] + np.uint64(1)])
+        other = np.concatenate([base[:shared], hashes[1000 + shared :]])
         jaccard = shared / (2000 - shared)
         estimate = float(np.mean(minhash(base, seeds) == minhash(other, seeds)))
         assert abs(estimate - jaccard) < 0.1, (shared, estimate, jaccard)
@@ -40,7 +42,7 @@ def test_first_document_of_a_group_is_kept_and_far_ones_stay():
         "",  # no words: never a duplicate
         "",
     ]
-    results = [near.check(i, text) for i, text in enumerate(docs)]
+    results = [near.check(i, WordHasher().text(text)) for i, text in enumerate(docs)]
     assert [r.kept if r is not None else None for r in results] == [None, 0, None, None, 0, None, None]
     assert 0.85 < results[1].jaccard < 0.95 and results[4].jaccard == 1.0
 
@@ -52,4 +54,4 @@ def test_a_chain_keeps_its_ends():
     b = change_words(a, [30, 90, 150])  # Jaccard of the 5-shingles: 181/211 with a
     c = change_words(b, [60, 120, 180])  # 181/211 with b, 166/226 with a
     near = NearDuplicates(NearDedupConfig(enabled=True, threshold=0.8, num_perm=256))
-    assert [near.check(i, t) is None for i, t in enumerate([a, b, c])] == [True, False, True]
+    assert [near.check(i, WordHasher().text(t)) is None for i, t in enumerate([a, b, c])] == [True, False, True]
