@@ -18,12 +18,14 @@ from sftflow.tasks.data.hub import materialize, resolve_revision
 from sftflow.tasks.data.stage import (
     SourceFile,
     TokenizerRef,
+    benchmark_files,
+    benchmark_task,
     index_task,
     pbin_task,
     render_task,
-    source_file,
     source_files,
     spans_task,
+    text_scan_task,
     tokenizer_ref,
     training_template,
     with_template_tokens,
@@ -174,12 +176,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             shards = runner.map(
                 pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
             ).result()
-        # The filters over words read the rendered text, and decontamination the benchmarks (keyed by content).
-        text = {}
-        if dcfg.index.reads_text:
-            text["rendered"] = rendered
-        if dcfg.index.decontaminate.action != "off":
-            text["benchmarks"] = [source_file(p) for p in dcfg.index.decontaminate.benchmarks]
+            text = text_scans(runner, dcfg, shards, rendered, wd, options) if dcfg.index.reads_text else {}
         dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named], **text)
         result = DataResult(
             work_dir=wd,
@@ -193,6 +190,27 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))
         return result
+
+
+def text_scans(runner, dcfg: DataConfig, shards: list[PbinShard], rendered: list[RenderedShard], wd: str, options):
+    """The index's word filters: each shard's text scanned on the runner, against the benchmark n-grams (built
+    once first, cached by the benchmark files' contents). Returns the index task's `scans` and `benchmarks`."""
+    decontaminate, benchmarks = dcfg.index.decontaminate, None
+    if decontaminate.action != "off":
+        benchmarks = benchmark_files(decontaminate.benchmarks)
+        benchmark_task(decontaminate, benchmarks, wd)
+    scans = runner.map(
+        text_scan_task.with_options(**options),
+        dict(
+            pbin=shards,
+            rendered=rendered,
+            decontaminate=unmapped(decontaminate),
+            near_dedup=unmapped(dcfg.index.near_dedup),
+            benchmarks=unmapped(benchmarks),
+            work_dir=unmapped(wd),
+        ),
+    ).result()
+    return {"scans": scans, "benchmarks": benchmarks}
 
 
 def check_untrained(tokenized: list[TokenizedShard], on_bad_record: str) -> None:

@@ -44,10 +44,9 @@ class BenchmarkNgrams:
     counts: dict[str, int]
     reused: bool
 
-    def item(self, position: int) -> str:
-        """`file:line` of the item behind the n-gram at `position` of `ngrams`."""
-        file, line = self.ngram_item[position]
-        return f"{self.paths[int(file)]}:{int(line)}"
+    def item(self, file: int, line: int) -> str:
+        """`file:line` of a benchmark item, by its file's position."""
+        return f"{self.paths[file]}:{line}"
 
 
 def _item_texts(path: Path, line_number: int, record: object, fields: Sequence[str]) -> list[str]:
@@ -157,7 +156,7 @@ def benchmark_ngrams(paths: Sequence[str | Path], config: DecontamConfig, cache_
 @dataclass(frozen=True)
 class Match:
     matches: int  # distinct benchmark n-grams the document shares
-    item: str  # `file:line` of the benchmark item of one shared n-gram (the one of smallest hash)
+    item_position: tuple[int, int]  # (benchmark file position, line) of one shared n-gram's item (smallest hash)
 
 
 class Decontaminator:
@@ -189,4 +188,5 @@ class Decontaminator:
         count = int(hit.sum())
         if count < self.config.min_matches:
             return None
-        return Match(count, self.benchmark.item(int(at[np.argmax(hit)])))
+        file, line = self.benchmark.ngram_item[int(at[np.argmax(hit)])]
+        return Match(count, (int(file), int(line)))

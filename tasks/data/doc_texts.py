@@ -1,4 +1,4 @@
-"""The rendered text of a pbin shard's documents, for the filters that read words rather than token ids.
+"""The rendered text of a pbin shard's documents, for the text scan of the filters that read words, not token ids.
 
 The render stage writes one `{"text", "source", ...}` line per record; the spans stage drops some (nothing trained,
 too long) and keeps the others in order, each with the same `source` (`file:line`). So walking both in order and

@@ -23,8 +23,9 @@ relative to `out_dir`), sha256 and source (a position in `sources`, so a documen
 Filters, in order: `too_long` (length > max_length), `no_loss_tokens` (nothing to train), `duplicate` (same content
 hash as an earlier kept document; "earlier" is shard order, then document order), then, when configured, the filters
 over the rendered words (`sftflow.tasks.data.text_filters`): `contaminated` (shares long n-grams with a benchmark; or
-only flagged) and `near_duplicate` (MinHash-similar to an earlier kept document). These add their counts per source
-under `index.json["text_filters"]` and list each document they name in `rejects.jsonl`.
+only flagged) and `near_duplicate` (MinHash-similar to an earlier kept document), from each shard's text scan
+(`sftflow.tasks.data.text_scan`). These add their counts per source under `index.json["text_filters"]` and list each
+document they name in `rejects.jsonl`.
 
 The split is a pure function of (content hash, salt, eval_fraction): a document is eval when
 `splitmix64(content_hash ^ salt64) / 2**64 < eval_fraction`. Adding shards or records therefore never moves an existing
@@ -216,13 +217,12 @@ def build_index(
     shard_sha256s: Sequence[str] | None = None,
     shard_sources: Sequence[str] | None = None,
     text_filters: TextFilters | None = None,
-    rendered_paths: Sequence[str | Path] | None = None,
 ) -> IndexInfo:
     """Merge `pbin_paths` (in this order) into a dataset index under `out_dir`; see the module docstring.
 
     `shard_sha256s`, when given (e.g. from the `PbinShard` manifests), are recorded instead of re-hashing the files.
     `shard_sources` names each shard's source (the config's source names); without it all shards are one source,
-    `data`. `text_filters` (decontamination, near-duplicates) read each shard's rendered text from `rendered_paths`.
+    `data`. `text_filters` (decontamination, near-duplicates) read each shard's text scan.
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -242,12 +242,8 @@ def build_index(
     arrays = _dedup(scan, dedup)
     config = {"max_length": max_length, "dedup": dedup, "eval_fraction": eval_fraction, "split_salt": split_salt}
     if text_filters is not None:
-        if rendered_paths is None or len(rendered_paths) != len(pbin_paths):
-            raise ValueError("text_filters read the rendered text: give one rendered shard per pbin shard")
         shard_names = [names[meta["source"]] for meta in scan.shards_meta]
-        result = apply_text_filters(
-            text_filters, arrays["shard"], arrays["doc"], pbin_paths, rendered_paths, shard_names, out_dir
-        )
+        result = apply_text_filters(text_filters, arrays["shard"], arrays["doc"], pbin_paths, shard_names, out_dir)
         arrays = {k: v[result.keep] for k, v in arrays.items()}
         scan.dropped.update(result.dropped)
         scan.text_filters = result.report

@@ -87,14 +87,14 @@ class NearDuplicates:
         self._buckets = [{} for _ in range(self.bands)]
 
     def signature(self, word_hashes: np.ndarray) -> np.ndarray | None:
+        """The MinHash signature of a document's word hashes (`WordHasher.text`); None without words."""
         if not len(word_hashes):
             return None  # no words: nothing to compare
         shingles = np.unique(ngram_hashes(word_hashes, min(self.config.shingle, len(word_hashes))))
         return minhash(shingles, self._seeds)
 
-    def check(self, doc_id: int, word_hashes: np.ndarray) -> NearMatch | None:
-        """A document, by its word hashes (`WordHasher.text`): None when kept, else the kept one it is near."""
-        sig = self.signature(word_hashes)
+    def check(self, doc_id: int, sig: np.ndarray | None) -> NearMatch | None:
+        """A document, by its `signature`: None when kept (or without words), else the kept one it is near."""
         if sig is None:
             return None
         keys = [sig[b * self.rows : (b + 1) * self.rows].tobytes() for b in range(self.bands)]

@@ -63,7 +63,18 @@ def test_planted_benchmark_items_are_dropped_and_the_benchmark_cache_is_reused(t
     c = _write(tmp_path / "c.jsonl", [(sentence(rng, 12), sentence(rng, 40)), ("x", items[2]["answer"])])
     result, states = run([*sources, str(c)])
     assert states["index"] == ["Completed"] and states["render"].count("Cached") == 2
+    assert sorted(states["textscan"]) == ["Cached", "Cached", "Completed"]  # only the new shard is scanned
     assert result.index.filtered_by_source["c.jsonl"] == {"contaminated": 1, "near_duplicate": 0}
     assert result.index.num_train == 15 - 2 + 1
     assert [p.name for p in (Path(work) / "benchmarks").iterdir()] == [cache.name]
     assert (cache / "benchmark.json").stat().st_mtime_ns == built
+
+
+def test_a_missing_benchmark_file_is_one_line_naming_it(tmp_path, tiny_tokenizer_dir):
+    source = _write(tmp_path / "a.jsonl", [("hi", "hello")])
+    index = {"decontaminate": {"action": "drop", "benchmarks": [str(tmp_path / "gsm8k.jsonl")]}}
+    config = DataConfig(
+        sources=[str(source)], tokenizer=str(tiny_tokenizer_dir), render={"template": "chatml"}, index=index
+    )
+    with pytest.raises(ValueError, match=r"gsm8k\.jsonl: benchmark file not found \(data\.index\.decontaminate"):
+        sft_data(config=SFTConfig(work_dir=str(tmp_path / "work"), data=config))

@@ -54,7 +54,7 @@ def test_benchmark_set_is_cached_by_content_and_rebuilt_when_it_changes(tmp_path
     moved = shutil.copy(bench, tmp_path / "moved.jsonl")
     again = benchmark_ngrams([moved], config, cache)
     assert again.reused and again.dir == first.dir and np.array_equal(again.ngrams, first.ngrams)
-    assert again.item(0).startswith(str(moved))  # items are named by the files given now
+    assert again.item(0, 3) == f"{moved}:3"  # items are named by the files given now
     # Another n, or other contents: another set.
     assert benchmark_ngrams([bench], config.model_copy(update={"ngram": 8}), cache).dir != first.dir
     write_benchmark(bench, items[:2])
@@ -96,7 +96,7 @@ def test_a_document_counts_from_min_matches_shared_ngrams(tmp_path):
 
     planted = chat(question.upper().replace(" ", ", "), "the answer is 4")
     match = check(planted)
-    assert match is not None and match.matches == 16 - 13 + 1 and match.item == f"{bench}:2"
+    assert match is not None and match.matches == 16 - 13 + 1 and match.item_position == (0, 2)
     assert check(chat(choices[1], "")).matches == 2  # a multiple-choice option is an item's text too
     # Twelve words of it are not a 13-gram; other words between break the n-grams.
     assert check(chat(" ".join(question.split()[:12]), sentence(rng, 30))) is None

@@ -3,16 +3,18 @@ and listed by `file:line`; data without them indexes to the same arrays; the kep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from sftflow.tasks.data.decontam import benchmark_ngrams
+from sftflow.tasks.data.decontam import Decontaminator, benchmark_ngrams
 from sftflow.tasks.data.index import ARRAY_NAMES, build_index, load_index
 from sftflow.tasks.data.index_config import DecontamConfig, NearDedupConfig
 from sftflow.tasks.data.pbin import PbinFile
 from sftflow.tasks.data.text_filters import TextFilters
+from sftflow.tasks.data.text_scan import scan_shard
 from tests.tasks.text_filter_data import change_words, chat, sentence, write_benchmark, write_shard
 
 
@@ -34,21 +36,32 @@ def planted(tmp_path):
     return {"bench": bench, "a": a, "b": b, "clean": (clean_a, clean_b), "root": tmp_path}
 
 
+def _scans(root, shards, filters: TextFilters) -> list[str]:
+    """Each shard's text scan, as the `textscan` stage makes it."""
+    decontaminator = None
+    if filters.decontaminate is not None:
+        decontaminator = Decontaminator(filters.benchmark, filters.decontaminate)
+    (root / "scans").mkdir(exist_ok=True)
+    paths = []
+    for rendered, pbin in shards:
+        out = root / "scans" / f"{pbin.stem}-{len(list((root / 'scans').iterdir()))}.npz"
+        paths.append(scan_shard(rendered, pbin, out, decontaminator, filters.near_dedup).path)
+    return paths
+
+
 def _index(root, sources: dict[str, list[str]], out: str, filters: TextFilters | None, skipped=()):
     shards = [write_shard(root / "shards", name, texts, skipped) for name, texts in sources.items()]
+    if filters is not None:
+        filters = dataclasses.replace(filters, scan_paths=_scans(root, shards, filters))
     return build_index(
-        [p for _, p in shards],
-        root / out,
-        eval_fraction=0.3,
-        shard_sources=list(sources),
-        text_filters=filters,
-        rendered_paths=[r for r, _ in shards],
+        [p for _, p in shards], root / out, eval_fraction=0.3, shard_sources=list(sources), text_filters=filters
     )
 
 
 def _filters(bench, action="drop", near=True, cache=None) -> TextFilters:
     config = DecontamConfig(action=action, benchmarks=[str(bench)])
     return TextFilters(
+        scan_paths=[],
         decontaminate=config,
         benchmark=benchmark_ngrams([bench], config, cache or bench.parent / "cache"),
         near_dedup=NearDedupConfig(enabled=near),
@@ -134,9 +147,12 @@ def test_documents_the_spans_stage_dropped_are_skipped_in_the_rendered_text(plan
     assert _kept_sources(planted["root"] / "idx") == [f"a:{i}" for i in (1, 4, 5, 7, 8)]
 
 
-def test_a_rendered_shard_of_another_source_is_refused(planted):
-    root = planted["root"]
-    ra, pa = write_shard(root / "shards", "a", planted["a"])
-    rb, _ = write_shard(root / "shards", "b", planted["b"])
+def test_a_rendered_shard_or_a_scan_of_another_source_is_refused(planted):
+    root, filters = planted["root"], _filters(planted["bench"])
+    a = write_shard(root / "shards", "a", planted["a"])
+    b = write_shard(root / "shards", "b", planted["b"])
     with pytest.raises(ValueError, match=r"b\.rendered\.jsonl: no rendered record for document 0 \(a\.jsonl:1\)"):
-        build_index([pa], root / "idx", text_filters=_filters(planted["bench"]), rendered_paths=[rb])
+        _scans(root, [(b[0], a[1])], filters)
+    (scan_b,) = _scans(root, [b], filters)
+    with pytest.raises(ValueError, match=r"a text scan of 6 documents for .*a\.pbin of 8; rerun the data stages"):
+        build_index([a[1]], root / "idx", text_filters=dataclasses.replace(filters, scan_paths=[scan_b]))
