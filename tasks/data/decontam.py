@@ -166,7 +166,7 @@ class Decontaminator:
     lookups, and only the few n-grams that land on a set slot are looked up in the sorted set.
     """
 
-    _MAX_TABLE_BITS = 28
+    _MAX_TABLE_BITS = 26  # 64 MiB of bools at most, per process
 
     def __init__(self, benchmark: BenchmarkNgrams, config: DecontamConfig):
         self.benchmark, self.config = benchmark, config
