@@ -213,6 +213,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     plan = raw.get("plan") or {}
     if isinstance(plan, dict) and isinstance(plan.get("cost_table"), str):
         plan["cost_table"] = str(_relative_to(p, plan["cost_table"]).resolve())
+    index = data.get("index") if isinstance(data, dict) else None
+    decontam = index.get("decontaminate") if isinstance(index, dict) else None
+    if isinstance(decontam, dict) and isinstance(decontam.get("benchmarks"), list):
+        decontam["benchmarks"] = [str(_relative_to(p, b)) if isinstance(b, str) else b for b in decontam["benchmarks"]]
     render = data.get("render") if isinstance(data, dict) else None
     train = raw.get("train")
     for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):

@@ -18,11 +18,14 @@ from sftflow.tasks.data.hub import materialize, resolve_revision
 from sftflow.tasks.data.stage import (
     SourceFile,
     TokenizerRef,
+    benchmark_files,
+    benchmark_task,
     index_task,
     pbin_task,
     render_task,
     source_files,
     spans_task,
+    text_scan_task,
     tokenizer_ref,
     training_template,
     with_template_tokens,
@@ -58,6 +61,7 @@ class DataResult(BaseModel):
             "docs_eval": self.index.num_eval,
             "tokens_train": self.index.num_train_tokens,
             "dropped": self.index.dropped,
+            **({"filtered_by_source": self.index.filtered_by_source} if self.index.filtered_by_source else {}),
             "index": self.index_dir,
         }
 
@@ -172,7 +176,8 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             shards = runner.map(
                 pbin, dict(tokenized=tokenized, rendered=rendered, tokenizer=unmapped(tokenizer), work_dir=unmapped(wd))
             ).result()
-        dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named])
+            text = text_scans(runner, dcfg, shards, rendered, wd, options) if dcfg.index.reads_text else {}
+        dataset_index = index(shards, dcfg.index, wd, sources=[name for name, _ in named], **text)
         result = DataResult(
             work_dir=wd,
             tokenizer=tokenizer,
@@ -185,6 +190,27 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))
         return result
+
+
+def text_scans(runner, dcfg: DataConfig, shards: list[PbinShard], rendered: list[RenderedShard], wd: str, options):
+    """The index's word filters: each shard's text scanned on the runner, against the benchmark n-grams (built
+    once first, cached by the benchmark files' contents). Returns the index task's `scans` and `benchmarks`."""
+    decontaminate, benchmarks = dcfg.index.decontaminate, None
+    if decontaminate.action != "off":
+        benchmarks = benchmark_files(decontaminate.benchmarks)
+        benchmark_task(decontaminate, benchmarks, wd)
+    scans = runner.map(
+        text_scan_task.with_options(**options),
+        dict(
+            pbin=shards,
+            rendered=rendered,
+            decontaminate=unmapped(decontaminate),
+            near_dedup=unmapped(dcfg.index.near_dedup),
+            benchmarks=unmapped(benchmarks),
+            work_dir=unmapped(wd),
+        ),
+    ).result()
+    return {"scans": scans, "benchmarks": benchmarks}
 
 
 def check_untrained(tokenized: list[TokenizedShard], on_bad_record: str) -> None:

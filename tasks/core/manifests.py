@@ -80,6 +80,15 @@ class PbinShard(Manifest):
     token_dtype: str
 
 
+class TextScan(Manifest):
+    """`scan.npz` (see `sftflow.tasks.data.text_scan`): per document of one pbin shard, its benchmark matches and
+    MinHash signature, for the index's word filters."""
+
+    pbin_sha256: str
+    num_docs: int
+    num_contaminated: int
+
+
 class DatasetIndex(Manifest):
     """`index.json` beside `.npy` arrays: shard, doc, length, loss-token count, content hash, split."""
 
@@ -89,6 +98,8 @@ class DatasetIndex(Manifest):
     num_train_tokens: int
     num_eval_tokens: int
     dropped: dict[str, int]
+    # per source, the documents decontamination (dropped or flagged) and near-duplicate removal named; {} when off
+    filtered_by_source: dict[str, dict[str, int]] = {}
 
     @property
     def dir(self) -> Path:

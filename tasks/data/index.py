@@ -21,7 +21,11 @@ relative to `out_dir`), sha256 and source (a position in `sources`, so a documen
 `sources[shards[shard]["source"]]`), and each array's sha256.
 
 Filters, in order: `too_long` (length > max_length), `no_loss_tokens` (nothing to train), `duplicate` (same content
-hash as an earlier kept document; "earlier" is shard order, then document order).
+hash as an earlier kept document; "earlier" is shard order, then document order), then, when configured, the filters
+over the rendered words (`sftflow.tasks.data.text_filters`): `contaminated` (shares long n-grams with a benchmark; or
+only flagged) and `near_duplicate` (MinHash-similar to an earlier kept document), from each shard's text scan
+(`sftflow.tasks.data.text_scan`). These add their counts per source under `index.json["text_filters"]` and list each
+document they name in `rejects.jsonl`.
 
 The split is a pure function of (content hash, salt, eval_fraction): a document is eval when
 `splitmix64(content_hash ^ salt64) / 2**64 < eval_fraction`. Adding shards or records therefore never moves an existing
@@ -46,6 +50,7 @@ from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.data.pbin import PbinFile
+from sftflow.tasks.data.text_filters import TextFilters, apply_text_filters
 
 INDEX_FORMAT_VERSION = 3
 ARRAY_NAMES = (
@@ -83,6 +88,8 @@ class IndexInfo:
     num_train_loss_tokens: int
     num_eval_loss_tokens: int
     dropped: dict[str, int] = field(default_factory=dict)
+    # per source, documents the text filters named: contaminated (dropped or flagged) and near-duplicates (dropped)
+    filtered_by_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -209,12 +216,13 @@ def build_index(
     split_salt: str = "sftflow",
     shard_sha256s: Sequence[str] | None = None,
     shard_sources: Sequence[str] | None = None,
+    text_filters: TextFilters | None = None,
 ) -> IndexInfo:
     """Merge `pbin_paths` (in this order) into a dataset index under `out_dir`; see the module docstring.
 
     `shard_sha256s`, when given (e.g. from the `PbinShard` manifests), are recorded instead of re-hashing the files.
     `shard_sources` names each shard's source (the config's source names); without it all shards are one source,
-    `data`.
+    `data`. `text_filters` (decontamination, near-duplicates) read each shard's text scan.
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -231,8 +239,20 @@ def build_index(
     for s, meta in enumerate(scan.shards_meta):
         meta["source"] = names.index(shard_sources[s]) if shard_sources is not None else 0
     scan.sources = names
-    arrays = _dedup_and_split(scan, dedup, eval_fraction, split_salt)
+    arrays = _dedup(scan, dedup)
     config = {"max_length": max_length, "dedup": dedup, "eval_fraction": eval_fraction, "split_salt": split_salt}
+    if text_filters is not None:
+        shard_names = [names[meta["source"]] for meta in scan.shards_meta]
+        result = apply_text_filters(text_filters, arrays["shard"], arrays["doc"], pbin_paths, shard_names, out_dir)
+        arrays = {k: v[result.keep] for k, v in arrays.items()}
+        scan.dropped.update(result.dropped)
+        scan.text_filters = result.report
+        # Recorded only when on, so that an index built without them is byte for byte what it was before.
+        if text_filters.decontaminate is not None:
+            config["decontaminate"] = text_filters.decontaminate.model_dump(mode="json")
+        if text_filters.near_dedup is not None:
+            config["near_dedup"] = text_filters.near_dedup.model_dump(mode="json")
+    _split(arrays, eval_fraction, split_salt)
     return _write_index(out_dir, arrays, scan, config, pbin_paths)
 
 
@@ -247,6 +267,7 @@ class _Scan:
     num_docs_in: int
     sources: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    text_filters: dict | None = None  # what the text filters report, when they ran
 
 
 def _scan_shards(pbin_paths, out_dir: Path, max_length: int | None, shard_sha256s) -> _Scan:
@@ -330,9 +351,8 @@ def _first_token_trained(f: PbinFile, docs: np.ndarray) -> np.ndarray:
     return (has_span & (first_start == 0)).astype(np.int64)
 
 
-def _dedup_and_split(scan: _Scan, dedup: bool, eval_fraction: float, split_salt: str) -> dict[str, np.ndarray]:
-    """Drop repeated contents (the first occurrence stays; counted in `scan.dropped`), then assign each document to
-    train or eval by its content hash."""
+def _dedup(scan: _Scan, dedup: bool) -> dict[str, np.ndarray]:
+    """Drop repeated contents (the first occurrence stays; counted in `scan.dropped`)."""
     arrays = scan.arrays
     if dedup and len(arrays["content_hash"]):
         _, first = np.unique(arrays["content_hash"], return_index=True)  # stable: the first occurrence wins
@@ -340,10 +360,14 @@ def _dedup_and_split(scan: _Scan, dedup: bool, eval_fraction: float, split_salt:
         keep[first] = True
         scan.dropped["duplicate"] = int((~keep).sum())
         arrays = {k: v[keep] for k, v in arrays.items()}
+    return arrays
+
+
+def _split(arrays: dict[str, np.ndarray], eval_fraction: float, split_salt: str) -> None:
+    """Assign each document to train or eval by its content hash (adds the split arrays to `arrays`)."""
     arrays["split"] = split_of(arrays["content_hash"], eval_fraction, split_salt)
     arrays["train_ids"] = np.flatnonzero(arrays["split"] == TRAIN).astype(np.int64)
     arrays["eval_ids"] = np.flatnonzero(arrays["split"] == EVAL).astype(np.int64)
-    return arrays
 
 
 def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, config: dict, pbin_paths) -> IndexInfo:
@@ -374,6 +398,8 @@ def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, conf
         "shards": scan.shards_meta,
         "arrays": array_meta,
     }
+    if scan.text_filters is not None:
+        meta["text_filters"] = scan.text_filters
     index_path = out_dir / "index.json"
     with atomic_writer(index_path) as f:
         f.write((json.dumps(meta, indent=2) + "\n").encode("utf-8"))
@@ -383,6 +409,7 @@ def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, conf
         shard_paths=[str(p) for p in pbin_paths],
         shard_sha256s=[m["sha256"] for m in scan.shards_meta],
         dropped=scan.dropped,
+        filtered_by_source=(scan.text_filters or {}).get("by_source", {}),
         **{k: v for k, v in counts.items() if k != "num_docs"},
     )
 

@@ -13,20 +13,31 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.caching import StageCache, read_manifest, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
 from sftflow.tasks.core.logs import stage_logger
-from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard, TokenizerRef
+from sftflow.tasks.core.manifests import (
+    DatasetIndex,
+    PbinShard,
+    RenderedShard,
+    TextScan,
+    TokenizedShard,
+    TokenizerRef,
+)
 from sftflow.tasks.core.stage import stage_task
+from sftflow.tasks.data.decontam import Decontaminator, benchmark_ngrams
 from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
-from sftflow.tasks.data.index_config import IndexConfig
+from sftflow.tasks.data.index_config import DecontamConfig, IndexConfig, NearDedupConfig
 from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
 from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
 from sftflow.tasks.data.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
+from sftflow.tasks.data.text_filters import TextFilters
+from sftflow.tasks.data.text_scan import SCAN_FORMAT_VERSION, scan_shard
 
 RETRY = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=retry_on_io_error)
 
@@ -144,6 +155,7 @@ RENDER_CACHE = StageCache(stage="render", version="1", entries=_ENTRIES)
 SPANS_CACHE = StageCache(stage="spans", version="1", entries=_ENTRIES)
 PBIN_CACHE = StageCache(stage="pbin", version=str(FORMAT_VERSION), entries=_ENTRIES)
 INDEX_CACHE = StageCache(stage="index", version=str(INDEX_FORMAT_VERSION), entries=_ENTRIES)
+TEXT_SCAN_CACHE = StageCache(stage="textscan", version=str(SCAN_FORMAT_VERSION), entries=_ENTRIES)
 
 
 @stage_task(RENDER_CACHE, name="render", task_run_name="render-{source.name}", **RETRY)
@@ -224,11 +236,82 @@ def pbin_task(
     return PbinShard(**asdict(info))
 
 
+def benchmark_files(paths: list[str]) -> list[SourceFile]:
+    """The benchmark files with their content hashes (what keys the scans and the index)."""
+    for p in paths:
+        if not Path(p).is_file():
+            raise ValueError(f"{p}: benchmark file not found (data.index.decontaminate.benchmarks)")
+    return [source_file(p) for p in paths]
+
+
+def _benchmark(decontaminate: DecontamConfig, benchmarks: list[SourceFile] | None, work_dir: str):
+    """The benchmark n-gram set, cached in `work_dir/benchmarks/` by the files' contents (not by this task's key)."""
+    return benchmark_ngrams([b.path for b in benchmarks or []], decontaminate, Path(work_dir) / "benchmarks")
+
+
+@task(name="benchmark-ngrams", **RETRY)
+def benchmark_task(decontaminate: DecontamConfig, benchmarks: list[SourceFile], work_dir: str) -> dict[str, int]:
+    """Build (or read back) the benchmark n-gram set once, before the shards' scans read it in parallel."""
+    benchmark = _benchmark(decontaminate, benchmarks, work_dir)
+    stage_logger("sftflow.data").info(
+        "benchmark n-grams %s: %d n-grams of %d items, in %s",
+        "reused" if benchmark.reused else "built",
+        benchmark.counts["ngrams"],
+        benchmark.counts["items"],
+        benchmark.dir,
+    )
+    return dict(benchmark.counts)
+
+
+@stage_task(TEXT_SCAN_CACHE, name="textscan", **RETRY)
+def text_scan_task(
+    out_dir: Path,
+    pbin: PbinShard,
+    rendered: RenderedShard,
+    decontaminate: DecontamConfig,
+    near_dedup: NearDedupConfig,
+    benchmarks: list[SourceFile] | None,
+    work_dir: str,
+) -> TextScan:
+    """One shard's benchmark matches and MinHash signatures, from its rendered text (what the index's word filters
+    read), keyed by the shard and the benchmarks' contents, so a refresh scans only new shards."""
+    decontaminator = None
+    if decontaminate.action != "off":
+        decontaminator = Decontaminator(_benchmark(decontaminate, benchmarks, work_dir), decontaminate)
+    info = scan_shard(rendered.path, pbin.path, out_dir / "scan.npz", decontaminator, near_dedup)
+    return TextScan(
+        path=info.path,
+        sha256=sha256_file(info.path),
+        pbin_sha256=pbin.sha256,
+        num_docs=info.num_docs,
+        num_contaminated=info.num_contaminated,
+    )
+
+
 @stage_task(INDEX_CACHE, name="index", **RETRY)
 def index_task(
-    out_dir: Path, shards: list[PbinShard], config: IndexConfig, work_dir: str, sources: list[str] | None = None
+    out_dir: Path,
+    shards: list[PbinShard],
+    config: IndexConfig,
+    work_dir: str,
+    sources: list[str] | None = None,
+    scans: list[TextScan] | None = None,
+    benchmarks: list[SourceFile] | None = None,
 ) -> DatasetIndex:
-    """`sources` names each shard's data source (what mixtures and per-source metrics refer to)."""
+    """`sources` names each shard's data source (what mixtures and per-source metrics refer to). The filters over
+    words (`config.reads_text`) read `scans`, one per shard (`text_scan_task`); decontamination names the matched
+    items of the `benchmarks` files."""
+    text_filters = None
+    if config.reads_text:
+        if scans is None:
+            raise ValueError("index: decontamination and near-duplicate removal need the shards' text scans")
+        decontam = config.decontaminate if config.decontaminate.action != "off" else None
+        text_filters = TextFilters(
+            scan_paths=[scan.path for scan in scans],
+            decontaminate=decontam,
+            benchmark=_benchmark(decontam, benchmarks, work_dir) if decontam is not None else None,
+            near_dedup=config.near_dedup if config.near_dedup.enabled else None,
+        )
     info = build_index(
         [s.path for s in shards],
         out_dir,
@@ -238,6 +321,7 @@ def index_task(
         split_salt=config.split_salt,
         shard_sha256s=[s.sha256 for s in shards],
         shard_sources=sources,
+        text_filters=text_filters,
     )
     return DatasetIndex(
         path=str(info.path),
@@ -248,6 +332,7 @@ def index_task(
         num_train_tokens=info.num_train_tokens,
         num_eval_tokens=info.num_eval_tokens,
         dropped=dict(info.dropped),
+        filtered_by_source=info.filtered_by_source,
     )
 
 

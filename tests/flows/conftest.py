@@ -26,6 +26,7 @@ _STAGE_OF_TASK = {
     "spans_task": "spans",
     "pbin_task": "pbin",
     "index_task": "index",
+    "text_scan_task": "textscan",
     "plan_task": "plan",
     "train_stage_task": "train",
     "_train_task_fn": "train",
