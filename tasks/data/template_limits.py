@@ -9,9 +9,9 @@ through these checks instead:
   budget (`PyThreadState_SetAsyncExc`, delivered between bytecodes, so it interrupts pure-Python loops in compiled
   templates; renders run on worker threads, where signals cannot reach).
 - **Output.** The template is rendered chunk by chunk (`Template.generate`) and stops when the text exceeds the budget.
-- **One expression.** `*` and `**` are intercepted by the sandbox and refuse results over the output budget; so do
-  the width arguments of `center`, `indent` and `wordwrap`, and `lipsum`. Ranges over 100k items are refused by
-  Jinja's sandbox itself.
+- **One operation.** Each operation that can build a large value is sized before it runs and refused over the output
+  budget (`sftflow.tasks.data.template_sizes`): one C call cannot be interrupted, by the time limit or by SIGTERM.
+  Ranges over 100k items are refused by Jinja's sandbox itself.
 """
 
 from __future__ import annotations
@@ -121,41 +121,3 @@ def render_limited(template, context: dict, limits: RenderLimits, input_chars: i
         _WATCHDOG.disarm(tid)
         _CURRENT.budget = DEFAULT_OUTPUT_CHARS
     return "".join(pieces)
-
-
-def checked_binop(operator: str, left, right):
-    """`left <operator> right` for the sandbox's intercepted operators, refusing results over the output budget."""
-    budget = current_budget()
-    if operator == "*":
-        for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > budget:
-                raise RenderLimitError(f"'*' would make a sequence of {len(seq) * n} items, over {budget}")
-        return left * right
-    if operator == "**":
-        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-            if right * max(abs(left).bit_length(), 1) > 64 * budget:
-                raise RenderLimitError(f"'**' would make an integer of about {right * abs(left).bit_length()} bits")
-        return left**right
-    raise AssertionError(operator)
-
-
-def width_checked(filter_fn, argument: str):
-    """A filter whose `argument` (a width) must stay within the output budget."""
-
-    def checked(value, *args, **kwargs):
-        width = kwargs.get(argument, args[0] if args else 0)
-        if isinstance(width, int) and width > current_budget():
-            raise RenderLimitError(f"filter {filter_fn.__name__}: {argument}={width} is over the output budget")
-        return filter_fn(value, *args, **kwargs)
-
-    checked.__name__ = filter_fn.__name__
-    return checked
-
-
-def lipsum_checked(lipsum):
-    def checked(n=5, html=True, min=20, max=100):
-        if n * max > current_budget():
-            raise RenderLimitError(f"lipsum(n={n}, max={max}) is over the output budget")
-        return lipsum(n=n, html=html, min=min, max=max)
-
-    return checked
