@@ -187,3 +187,44 @@ def test_with_default_limits_a_huge_power_is_refused_and_sigterm_ends_the_proces
         child.kill()
     assert child.returncode == 143
     assert "'**' would make an integer of about 2807354922 bits" in out
+
+
+def test_a_lone_surrogate_is_a_located_reject_or_error_naming_its_field(tmp_path):
+    """JSON may escape half a UTF-16 pair; Python reads it, and writing the rendered text used to fail the stage."""
+    source = tmp_path / "data.jsonl"
+    bad = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "lone \\ud800"}]}'
+    paired = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}, {"role": "assistant", "content": "ok"}]}'
+    source.write_text("\n".join([json.dumps(RECORD), bad, paired]) + "\n")
+    template = ChatTemplate(TAGGED, name="t")
+    stats = render_source(source, tmp_path / "out.jsonl", RenderConfig(on_bad_record="reject"), template)
+    assert (stats.records, stats.rendered, stats.rejected, stats.rejects_by_field) == (3, 2, 1, {"messages": 1})
+    (reject,) = [json.loads(line) for line in (tmp_path / "out.jsonl.rejects.jsonl").read_text().splitlines()]
+    assert reject["source"] == f"{source}:2" and reject["field"] == "messages[1].content"
+    assert "lone surrogate ('\\ud800' at character 5)" in reject["reason"]
+    assert json.loads((tmp_path / "out.jsonl").read_text().splitlines()[1])["text"] == "\U0001f600ok"
+
+    with pytest.raises(ValueError, match=rf"^{source}:2: messages\[1\].content holds a lone surrogate"):
+        render_source(source, tmp_path / "x.jsonl", RenderConfig(), template)
+
+    array = tmp_path / "data.json"
+    array.write_text(f"[{json.dumps(RECORD)}, {bad}]")
+    with pytest.raises(ValueError, match=rf"^{array}:1: messages\[1\].content holds a lone surrogate"):
+        render_source(array, tmp_path / "y.jsonl", RenderConfig(), template)
+
+
+def test_a_number_python_cannot_parse_is_a_located_reject(tmp_path):
+    source = tmp_path / "data.jsonl"
+    source.write_text(json.dumps(RECORD)[:-1] + ', "n": ' + "9" * 5000 + "}\n")
+    stats = render_source(source, tmp_path / "out.jsonl", RenderConfig(on_bad_record="reject"), ChatTemplate(TAGGED))
+    assert (stats.records, stats.rejected, stats.rejects_by_field) == (1, 1, {"line": 1})
+
+
+def test_the_default_limits_keep_one_rendered_text_within_what_the_tokenizer_takes_in_one_call():
+    """A 60 MB record aborted the tokenizer at 7.9 GB of RSS; a record under the default limit renders (within the
+    default budget) to at most one tokenizer batch of text."""
+    from sftflow.tasks.data.spans import BATCH_CHARS
+
+    config = RenderConfig()
+    assert config.max_record_bytes == 8 * 2**20
+    limits = RenderLimits(output_chars=config.max_output_chars)
+    assert limits.output_budget(config.max_record_bytes) <= BATCH_CHARS
