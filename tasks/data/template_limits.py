@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_SECONDS = 10.0
-DEFAULT_OUTPUT_CHARS = 64 * 2**20
-DEFAULT_OUTPUT_FACTOR = 10
+# What one rendered text may be: the tokenizer must survive it (`render.max_record_bytes`, `spans.BATCH_CHARS`).
+DEFAULT_OUTPUT_CHARS = 16 * 2**20
+DEFAULT_OUTPUT_FACTOR = 2
 
 
 class RenderLimitError(RuntimeError):
