@@ -11,6 +11,8 @@ through these checks instead:
 - **Output.** The template is rendered chunk by chunk (`Template.generate`) and stops when the text exceeds the budget.
 - **One operation.** Each operation that can build a large value is sized before it runs and refused over the output
   budget (`sftflow.tasks.data.template_sizes`): one C call cannot be interrupted, by the time limit or by SIGTERM.
+- **Termination.** A stage that ends while rendering (SIGTERM, Ctrl-C, a failed task) stops its renders at once
+  (`renders_stopped_on_error`), since its task runner waits for its threads before the process can exit.
   Ranges over 100k items are refused by Jinja's sandbox itself.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 DEFAULT_SECONDS = 10.0
@@ -68,6 +71,12 @@ class _Watchdog:
                 self._thread.start()
         return tid
 
+    def fire_all(self) -> None:
+        """Stop every render running now (within the watchdog's 50 ms tick)."""
+        with self._lock:
+            for tid in self._deadlines:
+                self._deadlines[tid] = 0.0
+
     def disarm(self, tid: int) -> None:
         with self._lock:
             self._deadlines.pop(tid, None)
@@ -95,10 +104,35 @@ class _RenderTimeout(RenderLimitError):
 
 
 _WATCHDOG = _Watchdog()
+# Set while the stage that renders is ending: its task runner waits for its threads before the process can exit, so a
+# render (and each later one on those threads) must stop at once instead of running out its time budget.
+_STOPPING = threading.Event()
+
+
+@contextmanager
+def renders_stopped_on_error(task_runner):
+    """Enter `task_runner` (a context manager whose exit waits for its threads); if the body raises (SIGTERM's
+    `TerminationSignal` in a Prefect flow, Ctrl-C, a failed task), stop this process's renders before the runner
+    waits for them, and allow renders again once it has."""
+    try:
+        with task_runner as runner:
+            try:
+                yield runner
+            except BaseException:
+                _STOPPING.set()
+                _WATCHDOG.fire_all()
+                raise
+    finally:
+        _STOPPING.clear()
+
+
+_STOPPED = "the stage is ending (SIGTERM, Ctrl-C or an error elsewhere), so its renders stop"
 
 
 def render_limited(template, context: dict, limits: RenderLimits, input_chars: int) -> str:
     """`template.render(**context)` within `limits`; raises `RenderLimitError` naming the limit it hit."""
+    if _STOPPING.is_set():
+        raise RenderLimitError(_STOPPED)
     budget = limits.output_budget(input_chars)
     _CURRENT.budget = budget
     tid = _WATCHDOG.arm(limits.seconds)
@@ -111,6 +145,8 @@ def render_limited(template, context: dict, limits: RenderLimits, input_chars: i
                 raise RenderLimitError(f"its output passed {budget} characters (the render's output budget)")
             pieces.append(piece)
     except _RenderTimeout:
+        if _STOPPING.is_set():
+            raise RenderLimitError(_STOPPED) from None
         raise RenderLimitError(f"it ran longer than {limits.seconds:g} s (the render's time budget)") from None
     except RecursionError:
         raise RenderLimitError("it recursed too deeply (a macro calling itself without end?)") from None

@@ -228,3 +228,33 @@ def test_the_default_limits_keep_one_rendered_text_within_what_the_tokenizer_tak
     assert config.max_record_bytes == 8 * 2**20
     limits = RenderLimits(output_chars=config.max_output_chars)
     assert limits.output_budget(config.max_record_bytes) <= BATCH_CHARS
+
+
+def test_a_stage_that_ends_stops_its_renders_before_its_runner_waits_for_them():
+    """SIGTERM reaches a Prefect flow as `TerminationSignal` in the main thread; the task runner's exit then waits for
+    its threads, so a render with a long time budget (and every later one on those threads) kept the process alive
+    for minutes after SIGTERM. Here the body raises as the signal would, with a render of 600 s running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sftflow.tasks.data.template_limits import renders_stopped_on_error
+
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = threading.Event()
+
+    def render_two():
+        started.set()
+        for _ in range(2):
+            try:
+                _render(slow, max_render_seconds=600.0)
+            except TemplateProblem as err:
+                outcomes.append(str(err))
+
+    outcomes: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with renders_stopped_on_error(ThreadPoolExecutor(1)) as pool:
+            pool.submit(render_two)
+            started.wait()
+            time.sleep(0.2)
+            raise KeyboardInterrupt
+    assert len(outcomes) == 2 and all("the stage is ending (SIGTERM" in o for o in outcomes)
+    assert _render("") == "hihello"  # renders are allowed again once the runner is done
