@@ -98,6 +98,10 @@ def _is_int(value) -> bool:
 def checked_binop(operator: str, left, right):
     """`left <operator> right` for the sandbox's intercepted operators (`*`, `**`, `+`, `%`), sized first."""
     budget = current_budget()
+    if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
+        if len(left) + len(right) > budget:
+            _refuse_over(len(left) + len(right), "'+'", budget)
+        return left + right
     if operator == "**":
         if _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0:
             _int_bits("'**'", right * math.log2(abs(left)))
@@ -147,7 +151,7 @@ def checked_concat(join, parts: tuple):
     budget = current_budget()
     total = 0
     for part in parts:
-        total += size_of(part, budget - total)
+        total += len(part) if type(part) is str else size_of(part, budget - total)
         _refuse_over(total, "'~'", budget)
     return join(parts)
 
