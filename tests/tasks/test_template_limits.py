@@ -163,8 +163,8 @@ def render():
         ChatTemplate("{{ 7 ** (10 ** 9) }}").render([], limits=RenderLimits(seconds=600))
     except Exception as err:
         print(err, flush=True)
-threading.Thread(target=render, daemon=True).start()
 print("rendering", flush=True)
+threading.Thread(target=render, daemon=True).start()
 while True:
     time.sleep(0.05)
 """
