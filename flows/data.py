@@ -30,6 +30,7 @@ from sftflow.tasks.data.stage import (
     training_template,
     with_template_tokens,
 )
+from sftflow.tasks.data.template_limits import renders_stopped_on_error
 
 
 class DataResult(BaseModel):
@@ -155,7 +156,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         wd = str(work)
         # Per-shard stages run on the configured runner (threads, processes or Dask); each stage is a barrier, which
         # keeps futures from crossing runners and costs nothing when shards are of similar size.
-        with api_for_workers(dcfg), make_task_runner(dcfg) as runner:
+        with api_for_workers(dcfg), renders_stopped_on_error(make_task_runner(dcfg)) as runner:
             rendered = runner.map(
                 render,
                 dict(

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -32,15 +33,19 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sftflow.tasks.data.template_limits import (
-    RenderLimits,
+from sftflow.tasks.data.template_limits import RenderLimits, render_limited
+from sftflow.tasks.data.template_sizes import (
+    bounded_concat,
     checked_binop,
+    checked_call,
+    checked_concat,
+    checked_filter,
+    checked_result,
     lipsum_checked,
-    render_limited,
-    width_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -159,26 +164,55 @@ def fixed_clock(instant: datetime | None = None):
         _CLOCK.reset(token)
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox with `*` and `**` checked against the render's output budget
-    (`sftflow.tasks.data.template_limits`)."""
+class _SizedConcatGenerator(CodeGenerator):
+    """Compiles `a ~ b` to a join that sizes its parts first (Jinja's own join cannot be intercepted otherwise)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    @optimizeconst
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        if frame.eval_ctx.volatile:
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        else:
+            join = "markup_join" if frame.eval_ctx.autoescape else "str_join"
+        self.write(f"environment.checked_concat({join}, (")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with every operation that can build a large value sized against the render's output
+    budget before it runs (`sftflow.tasks.data.template_sizes`): `*`, `**`, `+`, `%`, `~`, calls, filters, the text of
+    macros and blocks, and each `{{ }}`."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _SizedConcatGenerator
+    concat = staticmethod(bounded_concat)  # macros, `{% set %}` blocks and call blocks join their text with it
+    checked_concat = staticmethod(checked_concat)
 
     def call_binop(self, context, operator, left, right):
         if operator in self.intercepted_binops:
             return checked_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's names, free of the caller's keywords)
+        return checked_call(__obj, args, kwargs, partial(ImmutableSandboxedEnvironment.call, __self, __context))
+
+
+def _checked_output(value):
+    return checked_result(value, "'{{ }}'")
+
 
 def make_environment() -> ImmutableSandboxedEnvironment:
     env = _BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationExtension, jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationExtension, jinja2.ext.loopcontrols],
+        finalize=_checked_output,
     )
-    for name, argument in (("center", "width"), ("indent", "width"), ("wordwrap", "width")):
-        env.filters[name] = width_checked(env.filters[name], argument)
     env.globals["lipsum"] = lipsum_checked(env.globals["lipsum"])
     env.filters["tojson"] = _tojson
+    env.filters = {name: checked_filter(name, fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()

@@ -62,9 +62,11 @@ class RenderConfig(BaseModel):
     # Limits: a template is untrusted code and a record untrusted data.
     max_render_seconds: float = Field(DEFAULT_SECONDS, gt=0, description="wall time one record's render may take")
     max_output_chars: int = Field(
-        DEFAULT_OUTPUT_CHARS, ge=1, description="rendered characters (or 10x the record's text, if larger)"
+        DEFAULT_OUTPUT_CHARS, ge=1, description="rendered characters (or 2x the record's text, if larger)"
     )
-    max_record_bytes: int = Field(64 * 2**20, ge=1, description="a JSONL line longer than this is a bad record")
+    # The tokenizer peaks near 190 MiB of RSS per MB of one text (`spans.BATCH_CHARS`): 8 MiB records, rendered to at
+    # most 16 Mi characters, stay near 3 GiB; a 60 MB record took 7.9 GB and aborted it.
+    max_record_bytes: int = Field(8 * 2**20, ge=1, description="a JSONL line longer than this is a bad record")
     max_nesting: int = Field(100, ge=1, description="a record nested deeper than this is a bad record")
 
     @field_validator("train_roles")

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sftflow.tasks.core.fingerprint import sha256_tree
 from sftflow.tasks.data.formats import RecordError
+from sftflow.tasks.data.surrogates import lone_surrogate, may_hold_surrogate, surrogate_reason
 
 _CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
@@ -259,6 +260,12 @@ def iter_jsonl(
             except RecursionError:
                 yield source, RecordError(source, "line", "is JSON nested too deeply to parse")
                 continue
+            except ValueError as err:  # a number of more than 4300 digits, which Python refuses to parse
+                yield source, RecordError(source, "line", f"is JSON that Python cannot read: {err}")
+                continue
+            if may_hold_surrogate(line) and (found := lone_surrogate(record)):
+                yield source, RecordError(source, found[0], surrogate_reason(*found[1:]))
+                continue
             yield source, record
 
 
@@ -278,8 +285,12 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[str, Any]]:
             records = json.load(f)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+        except ValueError as err:  # a number of more than 4300 digits, which Python refuses to parse
+            raise ValueError(f"{path}: JSON that Python cannot read: {err}") from None
     for row, record in enumerate(records):
-        yield f"{path}:{row}", record
+        source = f"{path}:{row}"
+        found = lone_surrogate(record)
+        yield source, record if found is None else RecordError(source, found[0], surrogate_reason(*found[1:]))
 
 
 def iter_parquet(path: str | Path, start: int = 0, end: int | None = None) -> Iterator[tuple[str, Any]]:

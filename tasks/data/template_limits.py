@@ -9,9 +9,11 @@ through these checks instead:
   budget (`PyThreadState_SetAsyncExc`, delivered between bytecodes, so it interrupts pure-Python loops in compiled
   templates; renders run on worker threads, where signals cannot reach).
 - **Output.** The template is rendered chunk by chunk (`Template.generate`) and stops when the text exceeds the budget.
-- **One expression.** `*` and `**` are intercepted by the sandbox and refuse results over the output budget; so do
-  the width arguments of `center`, `indent` and `wordwrap`, and `lipsum`. Ranges over 100k items are refused by
-  Jinja's sandbox itself.
+- **One operation.** Each operation that can build a large value is sized before it runs and refused over the output
+  budget (`sftflow.tasks.data.template_sizes`): one C call cannot be interrupted, by the time limit or by SIGTERM.
+- **Termination.** A stage that ends while rendering (SIGTERM, Ctrl-C, a failed task) stops its renders at once
+  (`renders_stopped_on_error`), since its task runner waits for its threads before the process can exit.
+  Ranges over 100k items are refused by Jinja's sandbox itself.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 DEFAULT_SECONDS = 10.0
-DEFAULT_OUTPUT_CHARS = 64 * 2**20
-DEFAULT_OUTPUT_FACTOR = 10
+# What one rendered text may be: the tokenizer must survive it (`render.max_record_bytes`, `spans.BATCH_CHARS`).
+DEFAULT_OUTPUT_CHARS = 16 * 2**20
+DEFAULT_OUTPUT_FACTOR = 2
 
 
 class RenderLimitError(RuntimeError):
@@ -67,6 +71,12 @@ class _Watchdog:
                 self._thread.start()
         return tid
 
+    def fire_all(self) -> None:
+        """Stop every render running now (within the watchdog's 50 ms tick)."""
+        with self._lock:
+            for tid in self._deadlines:
+                self._deadlines[tid] = 0.0
+
     def disarm(self, tid: int) -> None:
         with self._lock:
             self._deadlines.pop(tid, None)
@@ -94,10 +104,35 @@ class _RenderTimeout(RenderLimitError):
 
 
 _WATCHDOG = _Watchdog()
+# Set while the stage that renders is ending: its task runner waits for its threads before the process can exit, so a
+# render (and each later one on those threads) must stop at once instead of running out its time budget.
+_STOPPING = threading.Event()
+
+
+@contextmanager
+def renders_stopped_on_error(task_runner):
+    """Enter `task_runner` (a context manager whose exit waits for its threads); if the body raises (SIGTERM's
+    `TerminationSignal` in a Prefect flow, Ctrl-C, a failed task), stop this process's renders before the runner
+    waits for them, and allow renders again once it has."""
+    try:
+        with task_runner as runner:
+            try:
+                yield runner
+            except BaseException:
+                _STOPPING.set()
+                _WATCHDOG.fire_all()
+                raise
+    finally:
+        _STOPPING.clear()
+
+
+_STOPPED = "the stage is ending (SIGTERM, Ctrl-C or an error elsewhere), so its renders stop"
 
 
 def render_limited(template, context: dict, limits: RenderLimits, input_chars: int) -> str:
     """`template.render(**context)` within `limits`; raises `RenderLimitError` naming the limit it hit."""
+    if _STOPPING.is_set():
+        raise RenderLimitError(_STOPPED)
     budget = limits.output_budget(input_chars)
     _CURRENT.budget = budget
     tid = _WATCHDOG.arm(limits.seconds)
@@ -110,6 +145,8 @@ def render_limited(template, context: dict, limits: RenderLimits, input_chars: i
                 raise RenderLimitError(f"its output passed {budget} characters (the render's output budget)")
             pieces.append(piece)
     except _RenderTimeout:
+        if _STOPPING.is_set():
+            raise RenderLimitError(_STOPPED) from None
         raise RenderLimitError(f"it ran longer than {limits.seconds:g} s (the render's time budget)") from None
     except RecursionError:
         raise RenderLimitError("it recursed too deeply (a macro calling itself without end?)") from None
@@ -121,41 +158,3 @@ def render_limited(template, context: dict, limits: RenderLimits, input_chars: i
         _WATCHDOG.disarm(tid)
         _CURRENT.budget = DEFAULT_OUTPUT_CHARS
     return "".join(pieces)
-
-
-def checked_binop(operator: str, left, right):
-    """`left <operator> right` for the sandbox's intercepted operators, refusing results over the output budget."""
-    budget = current_budget()
-    if operator == "*":
-        for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > budget:
-                raise RenderLimitError(f"'*' would make a sequence of {len(seq) * n} items, over {budget}")
-        return left * right
-    if operator == "**":
-        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-            if right * max(abs(left).bit_length(), 1) > 64 * budget:
-                raise RenderLimitError(f"'**' would make an integer of about {right * abs(left).bit_length()} bits")
-        return left**right
-    raise AssertionError(operator)
-
-
-def width_checked(filter_fn, argument: str):
-    """A filter whose `argument` (a width) must stay within the output budget."""
-
-    def checked(value, *args, **kwargs):
-        width = kwargs.get(argument, args[0] if args else 0)
-        if isinstance(width, int) and width > current_budget():
-            raise RenderLimitError(f"filter {filter_fn.__name__}: {argument}={width} is over the output budget")
-        return filter_fn(value, *args, **kwargs)
-
-    checked.__name__ = filter_fn.__name__
-    return checked
-
-
-def lipsum_checked(lipsum):
-    def checked(n=5, html=True, min=20, max=100):
-        if n * max > current_budget():
-            raise RenderLimitError(f"lipsum(n={n}, max={max}) is over the output budget")
-        return lipsum(n=n, html=html, min=min, max=max)
-
-    return checked

@@ -19,6 +19,7 @@ from sftflow.tasks.data.spans import (
     SpansConfig,
     load_tokenized_shard,
     mask_to_spans,
+    text_batches,
     token_mask,
     tokenize_docs,
     tokenize_rendered_shard,
@@ -387,3 +388,11 @@ def test_eos_auto_masks_equal_hugging_face_on_a_tagged_template(shared_data):
     )
     assert out.input_ids.tolist() == hf["input_ids"]
     assert out.loss_mask().tolist() == hf["assistant_masks"]
+
+
+def test_text_batches_bound_both_the_number_of_texts_and_their_characters():
+    """The tokenizer's memory grows with a call's text, not its count: a few huge documents get calls of their own."""
+    texts = ["a" * 5, "b" * 5, "c" * 20, "d", "e", "f"]
+    assert list(text_batches(texts, batch_size=2, max_chars=12)) == [texts[0:2], texts[2:3], texts[3:5], texts[5:6]]
+    assert list(text_batches(texts, batch_size=256, max_chars=12)) == [texts[0:2], texts[2:3], texts[3:6]]
+    assert list(text_batches([], batch_size=2)) == []
