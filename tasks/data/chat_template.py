@@ -21,10 +21,8 @@ import json
 import logging
 import re
 import secrets
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime
 from functools import partial
 from importlib import resources
 from pathlib import Path
@@ -37,6 +35,7 @@ from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sftflow.tasks.data.template_clock import strftime_now
 from sftflow.tasks.data.template_limits import RenderLimits, render_limited
 from sftflow.tasks.data.template_sizes import (
     bounded_concat,
@@ -143,27 +142,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-# The instant `strftime_now` formats: the wall clock, as in Hugging Face, unless `fixed_clock` holds one. Templates
-# that write the day (Llama 3.2, SmolLM3) render differently from one day to the next, so `template: auto` compares
-# its probes at one instant, and tests name the day they expect.
-_CLOCK: ContextVar[datetime | None] = ContextVar("sftflow_template_clock", default=None)
-
-
-def _strftime_now(fmt):
-    return (_CLOCK.get() or datetime.now()).strftime(fmt)
-
-
-@contextmanager
-def fixed_clock(instant: datetime | None = None):
-    """Renders inside read `instant` through `strftime_now` instead of the wall clock; without one, the instant the
-    clock shows on entry (an enclosing `fixed_clock`'s, else now)."""
-    token = _CLOCK.set(instant or _CLOCK.get() or datetime.now())
-    try:
-        yield
-    finally:
-        _CLOCK.reset(token)
-
-
 class _SizedConcatGenerator(CodeGenerator):
     """Compiles `a ~ b` to a join that sizes its parts first (Jinja's own join cannot be intercepted otherwise)."""
 
@@ -214,7 +192,7 @@ def make_environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.filters = {name: checked_filter(name, fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from jinja2.exceptions import TemplateError
 
-from sftflow.tasks.data.chat_template import fixed_clock
+from sftflow.tasks.data.template_clock import fixed_clock
 from sftflow.tasks.data.template_limits import RenderLimitError
 
 _USER, _ASSISTANT = "What is 2 + 3?", "2 + 3 = 5."

@@ -12,7 +12,8 @@ from datetime import datetime
 import pytest
 from jinja2.exceptions import TemplateError
 
-from sftflow.tasks.data.chat_template import builtin_template_text, fixed_clock, load_template
+from sftflow.tasks.data.chat_template import builtin_template_text, load_template
+from sftflow.tasks.data.template_clock import fixed_clock
 from sftflow.tasks.data.template_match import PROBES, renders_alike
 from tests.tasks.test_chat_template import _auto_pick, _tokenizer_with, _untagged
 
