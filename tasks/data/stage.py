@@ -199,6 +199,7 @@ def spans_task(
         config_sha256=sha256_json(config.model_dump(mode="json")),
         tokenizer_backend=stats.tokenizer_backend,
         rejects_path=stats.rejects_path,
+        num_repeated=stats.repeated_docs,
     )
 
 
