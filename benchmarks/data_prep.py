@@ -8,6 +8,16 @@ Ours runs twice: with the default `tokenizer_backend="auto"` (tiktoken for a sup
 against HF per shard; single-threaded, one `encode_ordinary` per text) and with `"hf"` (the Rust tokenizer, batched).
 
     python benchmarks/data_prep.py [--tokenizer DIR] [--limit N] [--record]
+
+`--flow N` measures the whole `sft-data` flow instead, as a user runs it (defaults: `shard_bytes: auto`, one worker
+per core) and again with one worker, on one JSONL of N long records: the dataset's records cycled, each copy made
+distinct (a copy number before its first turn) so that no record is an exact duplicate and skipping repeats gains
+nothing. The baseline is the same `apply_chat_template` loop over the same N records; the flow's time includes
+hashing, sharding, reading, rendering, tokenizing, packing and the index (Prefect's API is started, and a 20-record
+run made, before timing).
+`--flow N --repeats-as-is` cycles the records unchanged instead (exact duplicates, as in scraped dumps).
+
+    python benchmarks/data_prep.py --flow 10000 [--record]
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -81,7 +94,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="use only the first N records (0: all)")
     parser.add_argument("--repeats", type=int, default=3, help="report the best of N runs")
     parser.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
+    parser.add_argument("--flow", type=int, default=0, help="time the sft-data flow on N records (see above)")
+    parser.add_argument("--repeats-as-is", action="store_true", help="--flow: cycle records as exact duplicates")
     args = parser.parse_args()
+    if args.flow:
+        flow_main(args)
+        return
 
     import transformers
 
@@ -178,6 +196,115 @@ def main() -> None:
                 f.write(f"| {label} | {conv_s:.1f} | {tok_s:.0f} |\n")
             f.write(f"\n{summary} (target 3x)\n")
     sys.exit(0)
+
+
+def _flow_source(lines: list[str], count: int, path: Path, distinct: bool) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(count):
+            line = lines[i % len(lines)]
+            copy = i // len(lines)
+            if distinct and copy:
+                record = json.loads(line)
+                turns = record.get("conversations") or []
+                if turns and isinstance(turns[0].get("value"), str):
+                    turns[0]["value"] = f"({copy}) {turns[0]['value']}"
+                line = json.dumps(record, ensure_ascii=False)
+            f.write(line + "\n")
+    return path
+
+
+def _time_flow(source: Path, tokenizer_dir: Path, work: Path, workers: int | None):
+    from sftflow.flows.config import DataConfig, SFTConfig
+    from sftflow.flows.data import sft_data
+
+    config = DataConfig(
+        sources=[str(source)],
+        tokenizer=str(tokenizer_dir),
+        render={"format": "sharegpt", "template": "chatml", "on_bad_record": "reject"},
+        spans={"bos": "never", "eos": "never"},
+        workers=workers,
+    )
+    start = time.perf_counter()
+    result = sft_data(config=SFTConfig(work_dir=str(work), data=config))
+    return time.perf_counter() - start, result
+
+
+def flow_main(args) -> None:
+    """`--flow N`: the sft-data flow (defaults, then one worker) against the apply_chat_template loop."""
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="sftflow-bench-prefect-"))
+    import transformers
+    from prefect.client.orchestration import get_client
+
+    from sftflow.flows.data import usable_cores
+    from sftflow.tasks.data.formats import RecordError, normalize_record
+
+    work = Path(tempfile.mkdtemp(prefix="sftflow-bench-flow-"))
+    source = SHARED / "datasets" / "sharegpt-zh-1k" / "sharegpt_zh_1K_format.jsonl"
+    name = "sharegpt-zh-1k"
+    if not source.exists():
+        source, name = _generated(work / "generated.jsonl"), "generated-1k"
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    (work / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer, tokenizer_dir = _tokenizer(args.tokenizer, work)
+    data = _flow_source(lines, args.flow, work / "big.jsonl", distinct=not args.repeats_as_is)
+    with get_client(sync_client=True) as client:  # the ephemeral API's start-up is not timed
+        client.hello()
+    # One small untimed run first: one-time costs of this process (imports, the tiktoken encoder) go to neither row.
+    _time_flow(_flow_source(lines, 20, work / "warm.jsonl", True), tokenizer_dir, work / "warm", None)
+    load_before = os.getloadavg()
+    cores = usable_cores()
+    ours_s, result = _time_flow(data, tokenizer_dir, work / "auto", None)
+    one_s, one = _time_flow(data, tokenizer_dir, work / "one", 1)
+    assert [p.sha256 for p in one.pbin] == [p.sha256 for p in result.pbin]  # workers change nothing
+
+    conversations = []
+    for i, line in enumerate(data.read_text(encoding="utf-8").splitlines()):
+        try:
+            conversations.append(normalize_record(json.loads(line), "sharegpt", f"{i}").messages)
+        except RecordError:
+            pass
+    start = time.perf_counter()
+    baseline_tokens = 0
+    for messages in conversations:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        baseline_tokens += len(out["input_ids"])
+    base_s = time.perf_counter() - start
+    load_after = os.getloadavg()
+
+    records = sum(r.num_records for r in result.rendered)
+    tokens = sum(t.num_tokens for t in result.tokenized)
+    repeated = sum(t.num_repeated for t in result.tokenized)
+    rows = [
+        (f"sft-data, defaults ({len(result.pbin)} shards, {cores} workers)", ours_s, records, tokens),
+        (f"sft-data, 1 worker ({len(one.pbin)} shards)", one_s, records, tokens),
+        ("HF apply_chat_template loop", base_s, len(conversations), baseline_tokens),
+    ]
+    kind = "exact repeats" if args.repeats_as_is else "each copy distinct"
+    header = (
+        f"sft-data vs HF on {name} cycled to {args.flow} records ({kind}; {data.stat().st_size / 2**20:.1f} MiB, "
+        f"{tokens} tokens, {repeated} repeats tokenized once), {cores} usable cores of {_cpu_name()}, "
+        f"1/5/15-min load {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
+        f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after"
+    )
+    versions = f"python {platform.python_version()}, transformers {transformers.__version__}"
+    print(header)
+    print(versions)
+    print(f"{'pipeline':<48}{'s':>9}{'records/s':>12}{'tokens/s':>14}{'vs HF':>8}")
+    for label, seconds, n, t in rows:
+        print(f"{label:<48}{seconds:>9.1f}{n / seconds:>12.1f}{t / seconds:>14.0f}{base_s / seconds:>7.2f}x")
+    if args.record:
+        with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
+            date = time.strftime("%Y-%m-%d")
+            f.write(f"\n## Data preparation: the sft-data flow vs HF on long records ({date})\n\n")
+            f.write(f"`python benchmarks/data_prep.py --flow {args.flow}")
+            f.write(f"{' --repeats-as-is' if args.repeats_as_is else ''}`: {header}; {versions}\n\n")
+            f.write("| pipeline | s | records/s | tokens/s | vs HF |\n|---|---|---|---|---|\n")
+            for label, seconds, n, t in rows:
+                f.write(
+                    f"| {label} | {seconds:.1f} | {n / seconds:.1f} | {t / seconds:.0f} | {base_s / seconds:.2f}x |\n"
+                )
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def data(
     task_runner: Annotated[str | None, _option("data.task_runner", help="where the per-shard stages run")] = None,
     workers: Annotated[int | None, _option("data.workers")] = None,
     shard_bytes: Annotated[
-        int | None, _option("data.shard_bytes", help="split sources into shards of ~N bytes")
+        str | None, _option("data.shard_bytes", help="split sources into shards of ~N bytes, or auto (the default)")
     ] = None,
     force: Annotated[bool, typer.Option(help="recompute every stage, ignoring the cache")] = False,
     config: ConfigFile = None,

@@ -70,13 +70,15 @@ class DataConfig(BaseModel):
     spans: SpansConfig = SpansConfig()
     index: IndexConfig = IndexConfig()
     task_runner: Literal["threads", "processes", "dask"] = "threads"
-    workers: int | None = Field(default=None, ge=1, description="task-runner workers (default: the runner's own)")
+    workers: int | None = Field(
+        default=None, ge=1, description="task-runner workers (default: one per core this process may use)"
+    )
     dask_address: str | None = Field(default=None, description="scheduler address of an existing Dask cluster")
-    shard_bytes: int | None = Field(
-        default=None,
-        ge=1,
+    shard_bytes: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        default="auto",
         description="split each source into shards of about this many bytes (JSONL: byte ranges ending at a line end; "
-        "Parquet: whole row groups; datasets: rows of about this much Arrow data)",
+        "Parquet: whole row groups; datasets: rows of about this much Arrow data); auto: a source under 16 MiB is "
+        "one shard, a larger one ~8 MiB shards (at most 256); null: every source one shard",
     )
     shard_records: int | None = Field(
         default=None, ge=1, description="or split each source into shards of this many lines (JSONL) or rows"
@@ -84,7 +86,7 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_shard_size(self):
-        if self.shard_bytes is not None and self.shard_records is not None:
+        if isinstance(self.shard_bytes, int) and self.shard_records is not None:
             raise ValueError("data: give at most one of shard_bytes and shard_records")
         self.source_specs  # noqa: B018 -- names must be unique; checked once here
         return self

@@ -4,6 +4,7 @@ dataset index. Outputs land under `work_dir/{render,spans,pbin,index}/<key>/` an
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -67,14 +68,29 @@ class DataResult(BaseModel):
         }
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and `taskset` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity outside Linux
+        return os.cpu_count() or 1
+
+
+def task_workers(config: DataConfig) -> int:
+    """The per-shard task runner's workers: `workers`, else one per usable core. The shards, and so every output,
+    do not depend on it (`shard_bytes: auto` sizes them from the sources alone)."""
+    return config.workers or usable_cores()
+
+
 def make_task_runner(config: DataConfig):
     """The task runner for the per-shard tasks; the stages' code and outputs do not depend on the choice."""
     from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
+    workers = task_workers(config)
     if config.task_runner == "threads":
-        return ThreadPoolTaskRunner(max_workers=config.workers)
+        return ThreadPoolTaskRunner(max_workers=workers)
     if config.task_runner == "processes":
-        return ProcessPoolTaskRunner(max_workers=config.workers)
+        return ProcessPoolTaskRunner(max_workers=workers)
     try:
         from prefect_dask import DaskTaskRunner
     except ImportError as err:
@@ -83,7 +99,7 @@ def make_task_runner(config: DataConfig):
         return DaskTaskRunner(address=config.dask_address)
     # One single-threaded worker process per core asked for; the dashboard on a free port, so that runs side by side
     # do not fight over 8787.
-    cluster_kwargs = {"n_workers": config.workers or 2, "threads_per_worker": 1, "processes": True}
+    cluster_kwargs = {"n_workers": workers, "threads_per_worker": 1, "processes": True}
     return DaskTaskRunner(cluster_kwargs={**cluster_kwargs, "dashboard_address": ":0"})
 
 
@@ -140,13 +156,14 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
         sources: list[SourceFile] = [shard for _, shard in named]
         template_sha, template_file, template_name = training_template(dcfg.render, tokenizer, work)
         logger.info(
-            "sft-data: %d source(s) in %d shard(s), template %s (sha256 %s), tokenizer %s, task runner %s",
+            "sft-data: %d source(s) in %d shard(s), template %s (sha256 %s), tokenizer %s, task runner %s%s",
             len(dcfg.sources),
             len(sources),
             template_name or "none (text records)",
             template_sha[:12],
             tokenizer.path,
             dcfg.task_runner,
+            "" if dcfg.dask_address else f" with {task_workers(dcfg)} workers",
         )
 
         options = {"refresh_cache": True} if force else {}

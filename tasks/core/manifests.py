@@ -67,6 +67,7 @@ class TokenizedShard(Manifest):
     config_sha256: str
     tokenizer_backend: str | None = None  # "hf" or "tiktoken"; None in manifests written before it was recorded
     rejects_path: str | None = None  # JSONL of the rejected documents' sources and reasons, when there are any
+    num_repeated: int = 0  # documents repeating an earlier one's text and spans in the shard: tokenized once
 
 
 class PbinShard(Manifest):

@@ -18,6 +18,12 @@ document cannot be split without parsing all of it.
 
 Shards are listed in file order and read in that order, so concatenating their records gives the unsharded record
 sequence exactly; a single shard covering the whole source is reported as `None` (read the whole source).
+
+`shard_bytes="auto"` (the data config's default) sizes shards from the source alone, never from the machine, so the
+shards, and with them every output, are the same on any number of cores: a source under `AUTO_SPLIT_FROM` (16 MiB)
+is one shard; a larger one is cut into shards of `AUTO_SHARD_BYTES` (8 MiB), or into `AUTO_MAX_SHARDS` (256) larger
+ones when that would make more. Sizes are what `shard_bytes` counts for the kind: file bytes for JSONL, uncompressed
+row-group bytes for Parquet, Arrow bytes for a `datasets` folder; a JSON array is one shard.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from sftflow.tasks.data.surrogates import lone_surrogate, may_hold_surrogate, su
 
 _CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
+AUTO_SPLIT_FROM = 16 * 2**20  # shard_bytes: auto leaves a source smaller than this whole
+AUTO_SHARD_BYTES = 8 * 2**20  # ... and cuts a larger one into shards of this size
+AUTO_MAX_SHARDS = 256  # ... or of size / 256, when that is larger: per-shard task overhead stays bounded
 
 
 class SourceRange(BaseModel):
@@ -76,15 +85,53 @@ def source_kind(path: str | Path) -> Literal["datasets", "parquet", "json_array"
 # --------------------------------------------------------------------------------------------------------- planning
 
 
+def auto_shard_bytes(size: int) -> int | None:
+    """What `shard_bytes: auto` means for a source of `size` bytes: None (one shard) or the shard size."""
+    if size < AUTO_SPLIT_FROM:
+        return None
+    return max(AUTO_SHARD_BYTES, -(-size // AUTO_MAX_SHARDS))
+
+
+def source_bytes(path: str | Path) -> int:
+    """A source's size as `shard_bytes` counts it (see the module docstring); 0 for a JSON array (never split)."""
+    path = Path(path)
+    kind = source_kind(path)
+    if kind == "jsonl":
+        return path.stat().st_size
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if kind == "datasets":
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        splits = loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]
+        return sum(d.data.nbytes for d in splits)
+    return 0
+
+
+def resolve_shard_bytes(path: str | Path, shard_bytes: int | Literal["auto"] | None) -> int | None:
+    """`shard_bytes` as a number of bytes (None: not split by bytes); "auto" is decided here, from the source alone."""
+    if shard_bytes != "auto":
+        return shard_bytes
+    return auto_shard_bytes(source_bytes(path))
+
+
 def plan_shards(
-    path: str | Path, shard_bytes: int | None = None, shard_records: int | None = None
+    path: str | Path, shard_bytes: int | Literal["auto"] | None = None, shard_records: int | None = None
 ) -> tuple[str, list[SourceRange | None]]:
     """The source's content hash and its shards in file order; `[None]` when it is not split (one whole shard).
 
-    Deterministic: the shards depend only on the file's content and the two sizes.
+    Deterministic: the shards depend only on the file's content and the two sizes. `shard_records` overrides
+    `shard_bytes="auto"`.
     """
+    if shard_records is not None and shard_bytes == "auto":
+        shard_bytes = None
     if shard_bytes is not None and shard_records is not None:
         raise ValueError("give at most one of shard_bytes and shard_records")
+    shard_bytes = resolve_shard_bytes(path, shard_bytes)
     for name, value in (("shard_bytes", shard_bytes), ("shard_records", shard_records)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

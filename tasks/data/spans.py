@@ -29,6 +29,9 @@ token (EOS or any of the tokenizer's special added tokens: `<|im_end|>`, `<|eot_
 for example `text_spans` records or a template that writes no stop. So a stop the template already trains is never
 doubled (Hugging Face's `return_assistant_tokens_mask` trains `<|im_end|>\n` once), and a document that ends in an
 untrained turn is left alone.
+
+A document whose text and spans repeat an earlier one's in the same call is not tokenized again: it gets the earlier
+one's ids and loss spans (and its own source and tag), so the output is the same as tokenizing every document.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Literal
@@ -77,6 +81,7 @@ class TokenizeStats(BaseModel):
     rejected: dict[str, int]
     tokenizer_backend: Literal["hf", "tiktoken"]
     rejects_path: str | None = None  # one JSON line per rejected document: its source (file:line) and reason
+    repeated_docs: int = 0  # documents whose text and spans repeat an earlier one's in the shard: tokenized once
 
 
 def _fast_backend(tokenizer):
@@ -242,40 +247,78 @@ def _adds_eos(policy: str, text: str, ids, offsets, mask, eos_id: int, stops: fr
     return bool(mask[last]) and int(ids[last]) not in stops
 
 
+@dataclass(frozen=True)
+class _Tokenized:
+    """What tokenizing one text with its spans gives: the kept ids and loss spans (whether they were truncated), or
+    the reason it is rejected. It depends on the text and spans alone, so a repeated document reuses it."""
+
+    ids: np.ndarray | None
+    spans_S2: np.ndarray | None
+    truncated: bool = False
+    reject: str | None = None
+
+
 def _tokenize(
     docs: list[RenderedDoc], tokenizer, config: SpansConfig
-) -> tuple[list[TokenizedDoc], list[tuple[str, str]], int, Literal["hf", "tiktoken"]]:
-    """The kept documents, the rejected ones as `(source, reason)`, the number truncated, and the backend."""
+) -> tuple[list[TokenizedDoc], list[tuple[str, str]], int, Literal["hf", "tiktoken"], int]:
+    """The kept documents, the rejected ones as `(source, reason)`, the number truncated, the backend, and the number
+    of documents that repeat an earlier one's text and spans (tokenized once; each keeps its own source and tag).
+
+    The index drops such repeats as duplicates anyway, but only after every one was tokenized: on chat data
+    scraped from the web a large share of records can be exact copies.
+    """
     backend = _fast_backend(tokenizer)
     bos_id = tokenizer.bos_token_id if config.bos == "auto" and _adds_bos(tokenizer) else None
     eos_id = tokenizer.eos_token_id
     if config.eos != "never" and eos_id is None:
         raise ValueError(f"eos: policy {config.eos!r} needs an eos_token, and the tokenizer has none; use eos='never'")
     stops = _end_of_turn_ids(tokenizer) if eos_id is not None else frozenset()
-    fast = _fast_encoder(docs, tokenizer, backend, config.tokenizer_backend)
+    # Each doc's position among the distinct (text, spans); the dict holds references to the docs' own strings.
+    position: dict[tuple[str, tuple[tuple[int, int], ...]], int] = {}
+    unique: list[RenderedDoc] = []
+    for doc in docs:
+        key = (doc.text, doc.train_char_spans)
+        if key not in position:
+            position[key] = len(unique)
+            unique.append(doc)
+    fast = _fast_encoder(unique, tokenizer, backend, config.tokenizer_backend)
+    results: list[_Tokenized] = []
+    for doc, (ids, offsets) in zip(unique, _encodings(unique, backend, fast, config.batch_size), strict=True):
+        results.append(_finish(doc, ids, offsets, config, bos_id, eos_id, stops))
     out: list[TokenizedDoc] = []
     rejected: list[tuple[str, str]] = []
     truncated = 0
-    for doc, (ids, offsets) in zip(docs, _encodings(docs, backend, fast, config.batch_size), strict=True):
-        mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
-        add_eos = eos_id is not None and _adds_eos(config.eos, doc.text, ids, offsets, mask, eos_id, stops)
-        if bos_id is not None and (len(ids) == 0 or ids[0] != bos_id):
-            ids = np.concatenate(([bos_id], ids))
-            mask = np.concatenate(([False], mask))
-        if add_eos:
-            ids = np.concatenate((ids, [eos_id]))
-            mask = np.concatenate((mask, [True]))
-        if not mask.any():
-            rejected.append((doc.source, "no_trained_tokens"))
+    for doc in docs:
+        result = results[position[(doc.text, doc.train_char_spans)]]
+        if result.reject is not None:
+            rejected.append((doc.source, result.reject))
             continue
-        if config.max_length is not None and len(ids) > config.max_length:
-            if config.length_policy == "drop" or not mask[: config.max_length].any():
-                rejected.append((doc.source, "too_long"))
-                continue
-            ids, mask = ids[: config.max_length], mask[: config.max_length]
-            truncated += 1
-        out.append(TokenizedDoc(ids, mask_to_spans(mask), doc.source, doc.tag))
-    return out, rejected, truncated, "hf" if fast is None else "tiktoken"
+        truncated += result.truncated
+        out.append(TokenizedDoc(result.ids, result.spans_S2, doc.source, doc.tag))
+    return out, rejected, truncated, "hf" if fast is None else "tiktoken", len(docs) - len(unique)
+
+
+def _finish(
+    doc: RenderedDoc, ids, offsets, config: SpansConfig, bos_id: int | None, eos_id: int | None, stops
+) -> _Tokenized:
+    """One document's ids and offsets → its trained mask, BOS/EOS and length policies applied."""
+    mask = token_mask(offsets, doc.train_char_spans, len(doc.text))
+    add_eos = eos_id is not None and _adds_eos(config.eos, doc.text, ids, offsets, mask, eos_id, stops)
+    if bos_id is not None and (len(ids) == 0 or ids[0] != bos_id):
+        ids = np.concatenate(([bos_id], ids))
+        mask = np.concatenate(([False], mask))
+    if add_eos:
+        ids = np.concatenate((ids, [eos_id]))
+        mask = np.concatenate((mask, [True]))
+    if not mask.any():
+        return _Tokenized(None, None, reject="no_trained_tokens")
+    truncated = False
+    if config.max_length is not None and len(ids) > config.max_length:
+        if config.length_policy == "drop" or not mask[: config.max_length].any():
+            return _Tokenized(None, None, reject="too_long")
+        ids, mask = ids[: config.max_length], mask[: config.max_length]
+        truncated = True
+    return _Tokenized(ids, mask_to_spans(mask), truncated)
 
 
 def tokenize_docs(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tuple[list[TokenizedDoc], dict[str, int]]:
@@ -283,7 +326,7 @@ def tokenize_docs(docs: list[RenderedDoc], tokenizer, config: SpansConfig) -> tu
 
     Reasons: `no_trained_tokens`, `too_long` (dropped, or nothing trained left after truncation).
     """
-    out, rejected, _, _ = _tokenize(docs, tokenizer, config)
+    out, rejected, _, _, _ = _tokenize(docs, tokenizer, config)
     return out, dict(Counter(reason for _, reason in rejected))
 
 
@@ -314,7 +357,7 @@ def tokenize_rendered_shard(
     from sftflow.tasks.data.render import read_rendered_shard
 
     tokenizer = _load_tokenizer(tokenizer_path)
-    docs, rejects, truncated, backend = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)
+    docs, rejects, truncated, backend, repeats = _tokenize(read_rendered_shard(rendered_jsonl_path), tokenizer, config)
     out_path = Path(out_path)
     rejects_path = None
     if rejects:  # every rejected document by its source, so that it can be found
@@ -353,6 +396,7 @@ def tokenize_rendered_shard(
         rejected=dict(Counter(reason for _, reason in rejects)),
         tokenizer_backend=backend,
         rejects_path=str(rejects_path) if rejects_path is not None else None,
+        repeated_docs=repeats,
     )
 
 

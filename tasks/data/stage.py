@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Literal
 
 from prefect import task
 from pydantic import BaseModel, ConfigDict
@@ -34,7 +35,14 @@ from sftflow.tasks.data.index import INDEX_FORMAT_VERSION, build_index
 from sftflow.tasks.data.index_config import DecontamConfig, IndexConfig, NearDedupConfig
 from sftflow.tasks.data.pbin import FORMAT_VERSION, write_pbin
 from sftflow.tasks.data.render import RenderConfig, render_source, resolve_template
-from sftflow.tasks.data.sharding import SourceRange, detect_source_format, plan_shards
+from sftflow.tasks.data.sharding import (
+    AUTO_SPLIT_FROM,
+    SourceRange,
+    auto_shard_bytes,
+    detect_source_format,
+    plan_shards,
+    source_bytes,
+)
 from sftflow.tasks.data.spans import SpansConfig, load_tokenized_shard, tokenize_rendered_shard
 from sftflow.tasks.data.text_filters import TextFilters
 from sftflow.tasks.data.text_scan import SCAN_FORMAT_VERSION, scan_shard
@@ -66,14 +74,31 @@ def source_file(path: str | Path) -> SourceFile:
 
 
 def source_files(
-    path: str | Path, shard_bytes: int | None = None, shard_records: int | None = None
+    path: str | Path, shard_bytes: int | Literal["auto"] | None = None, shard_records: int | None = None
 ) -> list[SourceFile]:
-    """The shards of one source in file order (one whole-source `SourceFile` when it is not split)."""
+    """The shards of one source in file order (one whole-source `SourceFile` when it is not split).
+
+    `shard_bytes="auto"` is decided here, from the source's size alone (see `sftflow.tasks.data.sharding`), and the
+    decision is logged with its reason.
+    """
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{path}: source does not exist")
     p = p.resolve()
+    auto_size = None
+    if shard_bytes == "auto" and shard_records is None:
+        auto_size = source_bytes(p)
+        shard_bytes = auto_shard_bytes(auto_size)
     sha256, ranges = plan_shards(p, shard_bytes=shard_bytes, shard_records=shard_records)
+    if auto_size is not None:
+        split = f"{len(ranges)} shards of ~{shard_bytes / 2**20:.1f} MiB" if len(ranges) > 1 else "one shard"
+        stage_logger("sftflow.data").info(
+            "%s: %s (shard_bytes: auto; %.1f MiB, split from %d MiB)",
+            p.name,
+            split,
+            auto_size / 2**20,
+            AUTO_SPLIT_FROM // 2**20,
+        )
     return [SourceFile(path=str(p), sha256=sha256, range=r) for r in ranges]
 
 
@@ -211,6 +236,7 @@ def spans_task(
         config_sha256=sha256_json(config.model_dump(mode="json")),
         tokenizer_backend=stats.tokenizer_backend,
         rejects_path=stats.rejects_path,
+        num_repeated=stats.repeated_docs,
     )
 
 

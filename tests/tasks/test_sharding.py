@@ -177,3 +177,40 @@ def test_invalid_utf8_line_is_a_located_record_error(tmp_path):
     [(_, first), (source, second)] = list(iter_range_records(path))
     assert first == {"a": 1}
     assert isinstance(second, RecordError) and source == f"{path}:2" and "UTF-8" in str(second)
+
+
+def test_auto_shard_size_depends_on_the_source_size_alone():
+    mib = 2**20
+    assert sharding.auto_shard_bytes(0) is None
+    assert sharding.auto_shard_bytes(16 * mib - 1) is None  # under 16 MiB: one shard
+    assert sharding.auto_shard_bytes(16 * mib) == 8 * mib
+    assert sharding.auto_shard_bytes(2048 * mib) == 8 * mib  # 256 shards of 8 MiB
+    assert sharding.auto_shard_bytes(10 * 1024 * mib) == 40 * mib  # beyond that, 256 larger shards
+
+
+def test_auto_splits_a_big_jsonl_at_line_ends_with_true_line_numbers(tmp_path):
+    """A 17 MiB file of ~10 kB lines (a blank line and a bad one among them): the auto shards are the 8 MiB ones,
+    each starts just past a newline, and reading them gives every record once with its 1-based line."""
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "x" * 10_000})
+    lines = [json.dumps({"text": f"{i} " + "x" * 10_000}) for i in range(17 * 2**20 // len(line) + 1)]
+    lines[1200:1200] = ["", "{not json"]  # past the first 8 MiB
+    content = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(content)
+    assert len(content) > 17 * 2**20
+
+    sha256, ranges = plan_shards(path, shard_bytes="auto")
+    assert (sha256, ranges) == plan_shards(path, shard_bytes=8 * 2**20)
+    assert sha256 == sha256_file(path) and len(ranges) == 3
+    assert ranges[0].start == 0 and ranges[-1].end == len(content)
+    for before, after in zip(ranges, ranges[1:], strict=False):
+        assert after.start == before.end and content[after.start - 1 : after.start] == b"\n"
+        assert after.first_line == content[: after.start].count(b"\n") + 1
+    records = _read_all(path, ranges)
+    assert _errors_as_bad(records) == _expected_jsonl(path, content)
+    assert [s for s, r in records if isinstance(r, str)] == [f"{path}:1202"]
+
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(content[: ranges[0].end])
+    assert plan_shards(small, shard_bytes="auto") == (sha256_file(small), [None])
+    assert plan_shards(path, shard_bytes="auto", shard_records=2000)[1] == plan_shards(path, shard_records=2000)[1]

@@ -322,6 +322,42 @@ def test_npz_shard_round_trip(tmp_path, tiny_tokenizer, tiny_tokenizer_dir):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["t.npz", "t.npz.rejects.jsonl"]
 
 
+def test_repeated_documents_are_tokenized_once_with_the_same_output(tmp_path, tiny_tokenizer, tiny_tokenizer_dir):
+    """A document whose text and spans repeat an earlier one's reuses its tokens; each keeps its own source and tag,
+    and the shard is what tokenizing every document alone gives (repeated rejects included)."""
+    chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    long = "Q? " + "The answer is 42. " * 5
+    docs = [
+        _doc(chat, [(44, 60)]),
+        _doc("nothing", []),
+        _doc(long, [(3, 93)]),
+        RenderedDoc(chat, ((44, 60),), "", tag="b"),  # a repeat with another tag
+        _doc(chat, [(44, 50)]),  # same text, other spans: not a repeat
+        _doc("nothing", []),
+        _doc(long, [(3, 93)]),
+        _doc(chat, [(44, 60)]),
+    ]
+    rendered = tmp_path / "r.jsonl"
+    with open(rendered, "w") as f:
+        for i, d in enumerate(docs):
+            row = {"text": d.text, "train_char_spans": [list(s) for s in d.train_char_spans], "source": f"src:{i + 1}"}
+            f.write(json.dumps(row | ({"tag": d.tag} if d.tag else {}), ensure_ascii=False) + "\n")
+    config = SpansConfig(bos="never", eos="auto", max_length=12, length_policy="truncate")
+    stats = tokenize_rendered_shard(rendered, tiny_tokenizer_dir, config, tmp_path / "t.npz")
+
+    assert stats.repeated_docs == 4
+    alone = [tokenize_docs([d], tiny_tokenizer, config)[0] for d in docs]  # one call each: nothing to reuse
+    expected = [(f"src:{i + 1}", d.tag, out[0]) for i, (d, out) in enumerate(zip(docs, alone, strict=True)) if out]
+    loaded = load_tokenized_shard(stats.out_path)
+    assert [(d.source, d.tag) for d in loaded] == [(s, t) for s, t, _ in expected]
+    for got, (_, _, want) in zip(loaded, expected, strict=True):
+        assert got.input_ids.tolist() == want.input_ids.tolist()
+        assert got.loss_spans_S2.tolist() == want.loss_spans_S2.tolist()
+    assert stats.truncated == 6 and stats.rejected == {"no_trained_tokens": 2}  # each repeat counted
+    listed = [json.loads(line)["source"] for line in Path(stats.rejects_path).read_text().splitlines()]
+    assert listed == ["src:2", "src:6"]  # every repeat of a rejected document is listed by its own line
+
+
 def test_spans_config_validation_names_the_field(tiny_tokenizer):
     with pytest.raises(pydantic.ValidationError, match="max_length"):
         SpansConfig(max_length=0)
