@@ -23,7 +23,6 @@ import logging
 import math
 import queue
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.train.checksums import verify_checksums, write_checksums
 from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
 from sftflow.tasks.train.deferred import DeferredLoadPlanner, DeferredSavePlanner
@@ -232,8 +232,8 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""
         path = step_dir(self.config.folder, step)
-        if self.is_main and path.exists():
-            shutil.rmtree(path)  # a partial save left by a crash at this very step
+        if self.is_main and (path.exists() or path.is_symlink()):
+            remove(path)  # a partial save left by a crash at this very step
         dist.barrier()
         dcp.save(dict(self.states), storage_writer=storage_writer(path), planner=DeferredSavePlanner())
         dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
@@ -314,7 +314,7 @@ def prune_checkpoints(folder: Path, keep_last: int, current: int) -> list[int]:
             (complete if (path / ".metadata").is_file() else partial).append(int(match.group(1)))
     removed = sorted(complete)[:-keep_last] + [s for s in partial if s != current]
     for old in removed:
-        shutil.rmtree(step_dir(folder, old), ignore_errors=True)
+        remove(step_dir(folder, old))  # a linked step folder loses its link; what it points to stays
     return sorted(removed)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
+from sftflow.tasks.core.leftovers import remove_stale_temporaries
 from sftflow.tasks.core.locks import check_no_writers, exclusive
 from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.train.checkpoint import latest_checkpoint
@@ -312,6 +313,7 @@ def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics 
     with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
         # ... and no worker of an earlier launch still alive (its launcher was killed outright, say)
         check_no_writers(writers_file(run_dir, config.node_rank), f"training run {run_dir}")
+        remove_stale_temporaries(run_dir)  # what a killed launch of this run left half-written
         return _launch(config, run_dir, live)
 
 
