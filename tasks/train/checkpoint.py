@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.disk_full import as_disk_full
 from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.train.checksums import verify_checksums, write_checksums
 from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
@@ -235,11 +236,20 @@ class Checkpointer:
         if self.is_main and (path.exists() or path.is_symlink()):
             remove(path)  # a partial save left by a crash at this very step
         dist.barrier()
-        dcp.save(dict(self.states), storage_writer=storage_writer(path), planner=DeferredSavePlanner())
-        dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
-        write_checksums(path)
+        try:
+            dcp.save(dict(self.states), storage_writer=storage_writer(path), planner=DeferredSavePlanner())
+            dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
+            write_checksums(path)
+            if self.is_main:
+                write_atomic(self.config.folder / LATEST, path.name)
+        except BaseException as err:  # noqa: B036 - re-raised unless it is a full disk
+            # DCP reports a rank's failed write as a CheckpointException (a BaseException) around the write's error;
+            # a full disk under it is told as one line (the partial folder is replaced by the next save of the step)
+            full = as_disk_full(err, path, doing=f"while writing checkpoint {path.name}")
+            if full is None:
+                raise
+            raise full from err
         if self.is_main:
-            write_atomic(self.config.folder / LATEST, path.name)
             prune_checkpoints(self.config.folder, self.config.keep_last, step)
         self.last_saved_step = step
         return path

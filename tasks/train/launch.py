@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from sftflow.tasks.core.disk_full import DiskFull, from_report_line
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
 from sftflow.tasks.core.leftovers import remove_stale_temporaries
 from sftflow.tasks.core.locks import check_no_writers, exclusive
@@ -368,17 +369,36 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     if live is not None:
         live.start(run_dir)
     code = None
+    disk_full: list[DiskFull] = []
+
+    def on_line(line: str) -> None:
+        full = from_report_line(line)
+        if full is not None and not disk_full:  # the first rank's report
+            disk_full.append(full)
+        logger.info(line)
+
     try:
-        code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
+        code = run_streaming(cmd, _worker_env(config), config.timeout_s, on_line, progress.tick)
     finally:
         if live is not None:
             live.stop(trained=code == 0)
     if code != 0:
+        if disk_full:
+            raise disk_full[0].adding(rerun=_resumes_from(run_dir))
         if user_error.is_file():  # bad input found by a worker: one located line, and no retry can fix it
             raise ValueError(user_error.read_text())
         raise TrainingFailed(f"torchrun exited with code {code} (run dir {run_dir}); see the log above")
     progress.tick(force=True)
     return _result(config, run_dir)
+
+
+def _resumes_from(run_dir: Path) -> str:
+    """What a rerun of the run does: resume from its latest checkpoint, or start over when it saved none."""
+    try:
+        latest = latest_checkpoint(run_dir / "checkpoints")
+    except ValueError:  # `latest` names a step the full disk left incomplete
+        latest = None
+    return f"it resumes from {latest.name}" if latest is not None else "it starts again from step 0 (no checkpoint)"
 
 
 def _result(config: TrainConfig, run_dir: Path) -> TrainResult:
