@@ -355,7 +355,8 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     verify_export(config.model)  # a model folder sftflow exported is checked against its CHECKSUMS before it is read
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
-        verify_checksums(checkpoint, config.trust_checkpoint)  # before any reader unpickles its .metadata
+        resuming = checkpoint.parent == run_dir / "checkpoints"
+        verify_checksums(checkpoint, config.trust_checkpoint, resuming)  # before any reader unpickles its .metadata
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()
