@@ -23,6 +23,7 @@ import logging
 import math
 import queue
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sftflow.tasks.core.atomic import write_atomic
-from sftflow.tasks.core.disk_full import as_disk_full
+from sftflow.tasks.core.disk_full import DiskFull, as_disk_full
 from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.train.checksums import verify_checksums, write_checksums
 from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
@@ -245,7 +246,8 @@ class Checkpointer:
         except BaseException as err:  # noqa: B036 - re-raised unless it is a full disk
             # DCP reports a rank's failed write as a CheckpointException (a BaseException) around the write's error;
             # a full disk under it is told as one line (the partial folder is replaced by the next save of the step)
-            full = as_disk_full(err, path, doing=f"while writing checkpoint {path.name}")
+            doing = f"while writing checkpoint {path.name}"
+            full = as_disk_full(err, path, doing) or _out_of_room(err, path, doing)
             if full is None:
                 raise
             raise full from err
@@ -253,6 +255,21 @@ class Checkpointer:
             prune_checkpoints(self.config.folder, self.config.keep_last, step)
         self.last_saved_step = step
         return path
+
+
+# Free bytes below which a save that failed without naming its cause is taken for a full disk.
+FULL_DISK_MARGIN = 64 << 20
+
+
+def _out_of_room(err: BaseException, path: Path, doing: str) -> DiskFull | None:
+    """A save whose write came up short on a filesystem with (next to) no room left. torch's zip writer reports a
+    short write as `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos` without the OS's error,
+    so the free space is what tells a full disk from another failure."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    return DiskFull(path, doing) if "unexpected pos" in str(err) and free < FULL_DISK_MARGIN else None
 
 
 # Bytes of tensor data per checkpoint file: what DCP's writer holds on the host at once while it writes one.

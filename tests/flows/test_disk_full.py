@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -141,3 +142,32 @@ def test_a_full_disk_in_the_data_stage_is_one_line_naming_the_file(tmp_path):
     assert error.startswith(f"error: {mount}/data/")
     assert ": no space left on device" in error
     assert "; free space and rerun: the work already done is reused" in error
+
+
+@small_filesystem
+def test_a_full_disk_in_the_pipeline_is_one_line_with_the_checkpoint_a_rerun_resumes_from(tmp_path):
+    """`sftflow run` with its work dir on 2.5 MiB: the data, the plan and checkpoint step-3 fit, step-6 does not.
+    The log file stops once (it used to print a `--- Logging error ---` block for every record after), the train
+    stage is not retried (the disk stays full), and the command ends with one line, exit 2."""
+    mount = tmp_path / "small"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"work_dir: {mount}\n"
+        "demo: {records: 200, seed: 0}\n"
+        "plan: {tokens_per_rank: 256, micro_batches_per_step: 1, epochs: 2, seed: 0}\n"
+        "train: {model: tiny-llama, nproc: 1, num_threads: 1, max_steps: 9, checkpoint_every: 3, keep_last: 1,\n"
+        "        device: cpu}\n"
+        "eval: {max_docs: 8, max_generations: 2, num_examples: 1}\n"
+    )
+    result = in_small_filesystem(mount, "2500k", f'"$SFTFLOW" run {config}')
+    assert result.returncode == 2, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Logging error" not in output and "RecursionError" not in output
+    assert output.count(f"stopped writing {mount}/sftflow.log") == 1
+    assert output.count("launching:") == 1  # no retry
+    (error,) = _error_lines(result.stderr)
+    assert re.fullmatch(
+        rf"error: {mount}/train/\w+/checkpoints/step-6: no space left on device while writing checkpoint step-6; "
+        r"free space and rerun: it resumes from step-3",
+        error,
+    ), error
