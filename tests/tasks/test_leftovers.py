@@ -104,3 +104,21 @@ def test_remove_deletes_files_folders_and_links_without_following_them(tmp_path)
     remove(dangling)
     assert not dangling.is_symlink()
     remove(tmp_path / "never-there")
+
+
+def test_a_rerun_export_removes_a_linked_staging_folder_as_a_link(tmp_path):
+    """An export (a rerun, or a forced one) starts by removing what a killed export left in `.hf.writing`; when that
+    is a link to a folder elsewhere, the link goes and the folder keeps its files."""
+    from sftflow.tasks.train.export import export_hf
+    from tests.tasks.test_export import _model
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"someone else's weights")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".hf.writing").symlink_to(outside, target_is_directory=True)
+    model = _model("llama3_untied")
+    out = export_hf(dict(model.state_dict()), model.config, run / "hf", tokenizer=None)
+    assert (out / "model.safetensors").is_file() and not (run / ".hf.writing").exists()
+    assert (outside / "model.safetensors").read_bytes() == b"someone else's weights"
