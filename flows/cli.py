@@ -170,6 +170,7 @@ def _user_errors(fn):
     from pydantic import BaseModel, ValidationError
 
     from sftflow.flows.local_api import LocalAPIError
+    from sftflow.tasks.core.disk_full import as_disk_full
     from sftflow.tasks.train.errors import TrainingFailed
 
     @functools.wraps(fn)
@@ -184,6 +185,12 @@ def _user_errors(fn):
             _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
         except TrainingFailed as err:  # a crash, not bad input: one line too, with the log above it
             _fail(str(err), code=1)
+        except OSError as err:
+            full = as_disk_full(err, "?")
+            if full is None:
+                raise
+            # what the rerun does, where the error does not say (training says which checkpoint it resumes from)
+            _fail(str(full.adding(rerun="the work already done is reused")))
 
     return wrapper
 
@@ -202,6 +209,8 @@ def _flow_session(work_dir: str | Path):
     from sftflow.flows.results import work_dir_lock
 
     work = Path(work_dir).resolve()
+    # Where the files go, links and `..` resolved: a relative or linked work_dir may lie outside the project.
+    _notice(f"work dir: {work}")
     with work_dir_lock(work), prefect_api(notice=_notice), logged_to(work):
         yield
 
@@ -414,6 +423,7 @@ def train(
         tokenizer=tokenizer,
         chat_template=chat_template,
     )
+    _notice(f"run dir: {config.run_dir.resolve()}")
     live = None
     if cfg.track.enabled and cfg.train.node_rank == 0:  # one node sends: the others would open runs of their own
         from sftflow.tasks.track.live import live_tracker

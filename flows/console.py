@@ -4,12 +4,14 @@ Prefect logs a failed task's or flow's exception with its traceback, ~100 lines 
 `error: file:line: ...`. While a command runs flows, every log record also goes to `<work_dir>/sftflow.log`, full
 tracebacks included, and the terminal's Prefect handler drops the records that carry a user error (a `ValueError`)
 and the traceback of any other error. The Prefect API (and its UI) still receives everything. `--debug` keeps the
-terminal as Prefect prints it.
+terminal as Prefect prints it. The log file stops at its first failed write (a full disk): one line on the terminal
+says so, where logging's default would print a `--- Logging error ---` block for every record that follows.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +40,30 @@ class _TerminalFilter(logging.Filter):
         return True
 
 
+class LogFile(logging.FileHandler):
+    """A log file that turns itself off at its first failed write, and says so once on stderr."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, encoding="utf-8")
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        _state["log_file"] = None  # no longer where the details are
+        error = sys.exc_info()[1]
+        try:
+            self.close()
+        except OSError:  # flushing the buffered rest fails the same way
+            pass
+        sys.stderr.write(f"sftflow: stopped writing {self.baseFilename}: {error}\n")
+
+
 @contextmanager
 def logged_to(work_dir: str | Path) -> Iterator[Path]:
     """Write every log record to `work_dir/sftflow.log` and keep tracebacks off the terminal (unless `--debug`)."""
@@ -45,7 +71,7 @@ def logged_to(work_dir: str | Path) -> Iterator[Path]:
 
     path = Path(work_dir) / LOG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = LogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     # First among the root's handlers: it sees each record before the terminal's filter trims it.

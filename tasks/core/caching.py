@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from sftflow.tasks.core import code_closure
 from sftflow.tasks.core.atomic import PERMANENT_ERRNOS, is_temporary, write_atomic
+from sftflow.tasks.core.disk_full import disk_full_error
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json
 
 CHECKSUMS = "CHECKSUMS"
@@ -141,13 +142,14 @@ def _forget_record(task_ctx, key: str) -> None:
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Retry anything but bad input (a `ValueError`): a crashed or killed training run resumes on retry."""
+    """Retry anything but bad input (a `ValueError`) and a full disk (a retry meets the same disk): a crashed or
+    killed training run resumes on retry."""
     try:
         state.result()
     except ValueError:
         return False
-    except Exception:
-        return True
+    except Exception as err:
+        return disk_full_error(err) is None
     return False
 
 

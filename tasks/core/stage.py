@@ -8,7 +8,8 @@ The task Prefect sees takes the same arguments without `out_dir`. On each call t
   1. binds the arguments, so the cache inputs are exactly the call's parameters (no list written by hand can drift
      from the signature: the cache policy hashes the same bound arguments),
   2. verifies every manifest among them (the file it names is there and unchanged) before the stage trusts it,
-  3. derives the output folder `work_dir/<stage>/<key>/` from the same bound arguments and creates it,
+  3. derives the output folder `work_dir/<stage>/<key>/` from the same bound arguments, creates it, and removes
+     the temporary files an earlier, killed run of this stage left there (`sftflow.tasks.core.leftovers`),
   4. runs the function, then writes its result as `manifest.json` and lists the folder in `CHECKSUMS` (last, so the
      listing marks a complete output), both through the one atomic-write function.
 """
@@ -24,6 +25,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from sftflow.tasks.core.caching import MANIFEST, StageCache, write_checksums, write_manifest
+from sftflow.tasks.core.leftovers import remove_stale_temporaries
 from sftflow.tasks.core.manifests import Manifest
 
 
@@ -61,6 +63,7 @@ def stage_task(cache: StageCache, *, checked: tuple[str, ...] | None = None, **t
             verify_inputs(inputs)
             out_dir = cache.output_dir(inputs)
             out_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(out_dir)
             result = fn(out_dir, **inputs)
             if isinstance(result, BaseModel):
                 write_manifest(out_dir, result)

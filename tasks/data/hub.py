@@ -13,10 +13,10 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 
-from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.atomic import temporary_name, write_atomic
+from sftflow.tasks.core.leftovers import remove, remove_stale_temporaries
 
 _LOCAL_COPY = "give a local copy instead: a JSONL/Parquet file or a `datasets.save_to_disk` folder as `path:`"
 
@@ -77,12 +77,12 @@ def materialize(
             where,
             revision,
         )
-    aside = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_stale_temporaries(folder.parent)
+    aside = temporary_name(folder)
     dataset.save_to_disk(str(aside))
     try:
         os.rename(aside, folder)
     except OSError:  # another run saved it first
-        shutil.rmtree(aside, ignore_errors=True)
+        remove(aside)
     logger.info("%s: %d records saved to %s", where, len(dataset), folder)
     return folder

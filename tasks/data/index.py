@@ -18,7 +18,9 @@ shard order then document order:
 and `index.json` (written last, so its presence means the index is complete) with the config, counts, the dropped
 counts per reason, the source names, the tag names (in order of first appearance), each shard's path (absolute and
 relative to `out_dir`), sha256 and source (a position in `sources`, so a document's source is
-`sources[shards[shard]["source"]]`), and each array's sha256.
+`sources[shards[shard]["source"]]`), and each array's sha256. `index.json.sha256` (written just before it, as
+`sha256  index.json`) holds index.json's own sha256: a changed byte in index.json, most of which is the arrays'
+hashes, is reported as index.json's change, not as a change of the array whose recorded hash it hit.
 
 Filters, in order: `too_long` (length > max_length), `no_loss_tokens` (nothing to train), `duplicate` (same content
 hash as an earlier kept document; "earlier" is shard order, then document order), then, when configured, the filters
@@ -53,6 +55,7 @@ from sftflow.tasks.data.pbin import PbinFile
 from sftflow.tasks.data.text_filters import TextFilters, apply_text_filters
 
 INDEX_FORMAT_VERSION = 3
+INDEX_SHA256 = "index.json.sha256"
 ARRAY_NAMES = (
     "shard",
     "doc",
@@ -401,8 +404,11 @@ def _write_index(out_dir: Path, arrays: dict[str, np.ndarray], scan: _Scan, conf
     if scan.text_filters is not None:
         meta["text_filters"] = scan.text_filters
     index_path = out_dir / "index.json"
+    text = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
+    with atomic_writer(index_path.with_name(INDEX_SHA256)) as f:
+        f.write(f"{hashlib.sha256(text).hexdigest()}  index.json\n".encode())
     with atomic_writer(index_path) as f:
-        f.write((json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        f.write(text)
     return IndexInfo(
         path=str(index_path),
         sha256=sha256_file(index_path),
@@ -434,13 +440,32 @@ def _save_npy(path: Path, arr: np.ndarray) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------- loading
 
 
+def _verify_index_json(meta_path: Path) -> None:
+    """index.json against its own sha256 (`INDEX_SHA256`), before anything it says is trusted. An index written
+    before the file existed has none, and is checked by its arrays' hashes alone."""
+    listing = meta_path.with_name(INDEX_SHA256)
+    if not listing.is_file():
+        return
+    expected = listing.read_text(encoding="utf-8", errors="replace").split("  ", 1)[0].strip()
+    if sha256_file(meta_path) != expected:
+        raise ValueError(
+            f"{meta_path}: changed since the index was written (sha256 mismatch with {listing}); rebuild the index "
+            "(sftflow data, or sftflow run --force data)"
+        )
+
+
 def load_index(index_dir: str | Path, verify: bool = False, mmap_mode: str | None = None) -> IndexData:
     """Load an index folder. `verify=True` also checks every array's sha256 against `index.json`."""
     index_dir = Path(index_dir)
     meta_path = index_dir / "index.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path}: no dataset index here (index.json is missing)")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if verify:
+        _verify_index_json(meta_path)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{meta_path}: not readable as a dataset index ({err}); rebuild it (sftflow data)") from None
     if meta.get("kind") != "sftflow-dataset-index" or meta.get("format_version") != INDEX_FORMAT_VERSION:
         raise ValueError(
             f"{meta_path}: not a version-{INDEX_FORMAT_VERSION} sftflow dataset index "

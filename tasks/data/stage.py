@@ -9,7 +9,6 @@ transient I/O errors (`OSError`) are.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
@@ -17,9 +16,10 @@ from typing import Literal
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.atomic import temporary_name, write_atomic
 from sftflow.tasks.core.caching import StageCache, read_manifest, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_json, sha256_text, sha256_tree
+from sftflow.tasks.core.leftovers import remove, remove_stale_temporaries
 from sftflow.tasks.core.logs import stage_logger
 from sftflow.tasks.core.manifests import (
     DatasetIndex,
@@ -135,12 +135,13 @@ def with_template_tokens(config: RenderConfig, tokenizer: TokenizerRef, work_dir
     tok.add_tokens(missing, special_tokens=True)
     out = Path(work_dir) / "tokenizers" / f"{tokenizer.sha256[:16]}-{sha256_text(' '.join(missing))[:8]}"
     if not out.is_dir():  # saved aside, then renamed: a folder that exists is complete
-        aside = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        remove_stale_temporaries(out.parent)
+        aside = temporary_name(out)
         tok.save_pretrained(aside)
         try:
             os.rename(aside, out)
         except OSError:  # another run saved the same tokenizer first
-            shutil.rmtree(aside, ignore_errors=True)
+            remove(aside)
     stage_logger("sftflow.data").info(
         "tokenizer %s lacks %s, which template %s writes: added them (%d tokens now)",
         tokenizer.path,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sftflow.tasks.core.atomic import fsync_folder, write_atomic
 from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.core.locks import exclusive
 
 _VERSION = re.compile(r"^v(\d{4,})$")
@@ -78,7 +79,7 @@ class Registry:
         """Copy `model_dir` in as the next version (not yet champion). Call while holding `lock()`."""
         model_dir = Path(model_dir)
         for leftover in self.root.glob(".v*.tmp"):  # a publish killed midway: never visible, removed here
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove(leftover)
         taken = self.versions()
         name = f"v{(int(taken[-1][1:]) + 1 if taken else 1):04d}"
         staging = self.root / f".{name}.tmp"

@@ -42,6 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.disk_full import DiskFull, as_disk_full
+from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.train.checksums import verify_checksums, write_checksums
 from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
 from sftflow.tasks.train.deferred import DeferredLoadPlanner, DeferredSavePlanner
@@ -232,17 +234,42 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""
         path = step_dir(self.config.folder, step)
-        if self.is_main and path.exists():
-            shutil.rmtree(path)  # a partial save left by a crash at this very step
+        if self.is_main and (path.exists() or path.is_symlink()):
+            remove(path)  # a partial save left by a crash at this very step
         dist.barrier()
-        dcp.save(dict(self.states), storage_writer=storage_writer(path), planner=DeferredSavePlanner())
-        dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
-        write_checksums(path)
+        try:
+            dcp.save(dict(self.states), storage_writer=storage_writer(path), planner=DeferredSavePlanner())
+            dist.barrier()  # every rank's shard is written before it is hashed and `latest` moves
+            write_checksums(path)
+            if self.is_main:
+                write_atomic(self.config.folder / LATEST, path.name)
+        except BaseException as err:  # noqa: B036 - re-raised unless it is a full disk
+            # DCP reports a rank's failed write as a CheckpointException (a BaseException) around the write's error;
+            # a full disk under it is told as one line (the partial folder is replaced by the next save of the step)
+            doing = f"while writing checkpoint {path.name}"
+            full = as_disk_full(err, path, doing) or _out_of_room(err, path, doing)
+            if full is None:
+                raise
+            raise full from err
         if self.is_main:
-            write_atomic(self.config.folder / LATEST, path.name)
             prune_checkpoints(self.config.folder, self.config.keep_last, step)
         self.last_saved_step = step
         return path
+
+
+# Free bytes below which a save that failed without naming its cause is taken for a full disk.
+FULL_DISK_MARGIN = 64 << 20
+
+
+def _out_of_room(err: BaseException, path: Path, doing: str) -> DiskFull | None:
+    """A save whose write came up short on a filesystem with (next to) no room left. torch's zip writer reports a
+    short write as `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos` without the OS's error,
+    so the free space is what tells a full disk from another failure."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    return DiskFull(path, doing) if "unexpected pos" in str(err) and free < FULL_DISK_MARGIN else None
 
 
 # Bytes of tensor data per checkpoint file: what DCP's writer holds on the host at once while it writes one.
@@ -314,7 +341,7 @@ def prune_checkpoints(folder: Path, keep_last: int, current: int) -> list[int]:
             (complete if (path / ".metadata").is_file() else partial).append(int(match.group(1)))
     removed = sorted(complete)[:-keep_last] + [s for s in partial if s != current]
     for old in removed:
-        shutil.rmtree(step_dir(folder, old), ignore_errors=True)
+        remove(step_dir(folder, old))  # a linked step folder loses its link; what it points to stays
     return sorted(removed)
 
 

@@ -53,12 +53,12 @@ def write_checksums(path: Path) -> None:
         write_atomic(path / CHECKSUMS, "".join(f"{merged[name]}  {name}\n" for name in sorted(merged)))
 
 
-def verify_checksums(path: Path, trust_unverified: bool = False) -> None:
+def verify_checksums(path: Path, trust_unverified: bool = False, resuming: bool = False) -> None:
     """Raise `ValueError` naming the first file of the checkpoint whose sha256 differs from `CHECKSUMS` (or that is
     missing, or not listed). A checkpoint without `CHECKSUMS` is refused unless `trust_unverified` (`train.
     trust_checkpoint`): torch's reader unpickles its `.metadata`, so deleting the listing must not be a way past the
-    check. A collective when a process group is up (each rank checks a share, all raise together); the launcher calls
-    it in one process."""
+    check. `resuming`: `path` is the checkpoint its own run resumes from (what the error advises). A collective when
+    a process group is up (each rank checks a share, all raise together); the launcher calls it in one process."""
     path = Path(path)
     listing = path / CHECKSUMS
     if not listing.is_file():
@@ -90,4 +90,32 @@ def verify_checksums(path: Path, trust_unverified: bool = False) -> None:
             break
     problems = [b for b in _gather(bad) if b]
     if problems:
-        raise ValueError(f"checkpoint {path} is damaged: {problems[0]}; resume from an earlier checkpoint")
+        raise ValueError(f"checkpoint {path} is damaged: {problems[0]}; {way_back(path, resuming)}")
+
+
+def way_back(path: Path, resuming: bool) -> str:
+    """What a user can do about the damaged checkpoint `path`: go back to an earlier complete one in its folder,
+    where `keep_last` kept one, or else (a resume) train the run again from step 0."""
+    step = _step_number(path.name)
+    earlier = sorted(
+        (p for p in path.parent.iterdir() if (p / ".metadata").is_file() and -1 < _step_number(p.name) < step),
+        key=lambda p: _step_number(p.name),
+    )
+    if earlier:
+        newest = earlier[-1].name
+        if resuming:
+            latest = path.parent / "latest"
+            return f"to resume from {newest}, the newest earlier checkpoint, write '{newest}' into {latest}"
+        return f"load {path.parent / newest}, the newest earlier checkpoint, instead"
+    if resuming:
+        return (
+            f"no earlier checkpoint is kept in {path.parent} (keep_last keeps the newest only), so the run cannot "
+            f"resume: train it again from step 0 (remove {path.parent}, or train into a new out folder)"
+        )
+    return f"no earlier checkpoint is kept in {path.parent}: load another run's checkpoint, or train without init_from"
+
+
+def _step_number(name: str) -> int:
+    """N of a `step-N` folder name, -1 for any other name."""
+    number = name.removeprefix("step-")
+    return int(number) if name.startswith("step-") and number.isdigit() else -1

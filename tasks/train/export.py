@@ -23,6 +23,7 @@ import torch
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.fingerprint import sha256_file
+from sftflow.tasks.core.leftovers import remove
 from sftflow.tasks.train.checksums import CHECKSUMS
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def export_streamed(
     model = _meta_model(config)
     staging = out.parent / f".{out.name}.writing"
     if is_main:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove(staging)  # a killed export's (a link there is removed, not followed)
         staging.mkdir(parents=True)
     shards = ShardWriter(staging, max_shard_bytes)
     for group in tensor_groups(saved_tensor_names(model)):

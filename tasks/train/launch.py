@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from sftflow.tasks.core.disk_full import DiskFull, from_report_line
 from sftflow.tasks.core.fingerprint import sha256_file, sha256_tree
+from sftflow.tasks.core.leftovers import remove_stale_temporaries
 from sftflow.tasks.core.locks import check_no_writers, exclusive
 from sftflow.tasks.core.manifests import TrainResult
 from sftflow.tasks.train.checkpoint import latest_checkpoint
@@ -312,6 +314,7 @@ def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics 
     with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
         # ... and no worker of an earlier launch still alive (its launcher was killed outright, say)
         check_no_writers(writers_file(run_dir, config.node_rank), f"training run {run_dir}")
+        remove_stale_temporaries(run_dir)  # what a killed launch of this run left half-written
         return _launch(config, run_dir, live)
 
 
@@ -352,7 +355,8 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     verify_export(config.model)  # a model folder sftflow exported is checked against its CHECKSUMS before it is read
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
-        verify_checksums(checkpoint, config.trust_checkpoint)  # before any reader unpickles its .metadata
+        resuming = checkpoint.parent == run_dir / "checkpoints"
+        verify_checksums(checkpoint, config.trust_checkpoint, resuming)  # before any reader unpickles its .metadata
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()
@@ -366,17 +370,36 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     if live is not None:
         live.start(run_dir)
     code = None
+    disk_full: list[DiskFull] = []
+
+    def on_line(line: str) -> None:
+        full = from_report_line(line)
+        if full is not None and not disk_full:  # the first rank's report
+            disk_full.append(full)
+        logger.info(line)
+
     try:
-        code = run_streaming(cmd, _worker_env(config), config.timeout_s, logger.info, progress.tick)
+        code = run_streaming(cmd, _worker_env(config), config.timeout_s, on_line, progress.tick)
     finally:
         if live is not None:
             live.stop(trained=code == 0)
     if code != 0:
+        if disk_full:
+            raise disk_full[0].adding(rerun=_resumes_from(run_dir))
         if user_error.is_file():  # bad input found by a worker: one located line, and no retry can fix it
             raise ValueError(user_error.read_text())
         raise TrainingFailed(f"torchrun exited with code {code} (run dir {run_dir}); see the log above")
     progress.tick(force=True)
     return _result(config, run_dir)
+
+
+def _resumes_from(run_dir: Path) -> str:
+    """What a rerun of the run does: resume from its latest checkpoint, or start over when it saved none."""
+    try:
+        latest = latest_checkpoint(run_dir / "checkpoints")
+    except ValueError:  # `latest` names a step the full disk left incomplete
+        latest = None
+    return f"it resumes from {latest.name}" if latest is not None else "it starts again from step 0 (no checkpoint)"
 
 
 def _result(config: TrainConfig, run_dir: Path) -> TrainResult:

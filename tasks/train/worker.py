@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from sftflow.tasks.core.disk_full import DiskFull, as_disk_full, report_line
 from sftflow.tasks.core.locks import hold_as_writer
 from sftflow.tasks.train import config as cfg
 from sftflow.tasks.train.activations import (
@@ -578,10 +579,18 @@ def step_source_tokens(run: Run, step: int) -> dict[str, int] | None:
 def train(run_dir: Path) -> None:
     # An allocation that fails anywhere below is reported with where it happened and what would leave more room.
     watch = MemoryWatch(rank=int(os.environ.get("RANK", "0")))
-    with watch:
-        run = build_run(run_dir)
-        watch.device, watch.picture = str(run.env.device), run.memory
-        _train(run, watch)
+    try:
+        with watch:
+            run = build_run(run_dir)
+            watch.device, watch.picture = str(run.env.device), run.memory
+            _train(run, watch)
+    except BaseException as err:  # noqa: B036 - re-raised unless it is a full disk (DCP's errors are BaseExceptions)
+        # ... and a write that fails for want of space, with what was being written
+        where = watch.where if watch.where.startswith(("while ", "in ")) else f"while {watch.where}"
+        full = as_disk_full(err, run_dir, doing=where)
+        if full is None:
+            raise
+        raise full from err
 
 
 def _train(run: Run, watch: MemoryWatch) -> None:
@@ -715,6 +724,11 @@ def main(argv: list[str] | None = None) -> None:
         hold_as_writer(os.environ[WRITERS_VAR])
     try:
         train(run_dir)
+    except DiskFull as err:
+        # Not in a file as USER_ERROR is: that write could fail the same way. Every line a worker prints reaches
+        # the launcher, which reports this one.
+        print(report_line(err), flush=True)
+        raise SystemExit(2) from None  # the launcher's one line says it all: no worker traceback above it
     except ValueError as err:
         # Bad input found inside a worker (data that does not match its plan, ...), or rows that do not fit the
         # device (`OutOfMemory`): the launcher reports this one line instead of torchrun's traceback, and no retry

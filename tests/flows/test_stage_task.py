@@ -103,3 +103,28 @@ def test_a_stage_function_must_take_out_dir_first_and_work_dir():
 
         @stage_task(TOY_CACHE, name="bad")
         def no_work_dir(out_dir: Path, x: int) -> None: ...
+
+
+def test_a_rerun_removes_what_a_killed_writer_of_the_stage_left_in_its_folder(tmp_path):
+    """A writer SIGKILLed mid-write leaves its hidden temporary file; the next run of the stage removes it (its
+    writer is gone), and leaves a live writer's (this process's) alone."""
+    import os
+    import socket
+
+    from tests.tasks.test_leftovers import killed_writer_leftover
+
+    work = tmp_path / "work"
+    source = _source(tmp_path)
+    out_dir = TOY_CACHE.output_dir({"source": source, "upper": True, "work_dir": str(work), "suffix": "!"})
+    out_dir.mkdir(parents=True)
+    leftover = killed_writer_leftover(out_dir / "out.txt")
+    live = out_dir / f".out.txt~{socket.gethostname()}~{os.getpid()}~abc.tmp"
+    live.write_text("being written")
+
+    @flow
+    def run_once():
+        return toy_task(source, True, str(work))
+
+    run_once()
+    assert not leftover.exists() and live.is_file()
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted([CHECKSUMS, MANIFEST, "out.txt", live.name])

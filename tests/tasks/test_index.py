@@ -191,3 +191,22 @@ def test_load_index_verifies_and_resolves_moved_folder(tmp_path):
         load_index(moved / "index", verify=True)
     with pytest.raises(FileNotFoundError, match="index.json is missing"):
         load_index(tmp_path)
+
+
+def test_a_flipped_byte_in_index_json_is_reported_as_index_json_not_as_the_array_it_hit(tmp_path):
+    """Most of index.json is the arrays' sha256s: a flipped byte there used to be reported as that array's change
+    (`doc.npy`), sending the user after the wrong file. index.json has its own sha256, checked first."""
+    write_pbin(tmp_path / "a.pbin", random_docs(np.random.default_rng(4), 10), 300, {})
+    build_index([tmp_path / "a.pbin"], tmp_path / "index")
+    meta_path = tmp_path / "index" / "index.json"
+    text = meta_path.read_text()
+    digest = json.loads(text)["arrays"]["doc"]["sha256"]
+    flipped = digest[:10] + ("0" if digest[10] != "0" else "1") + digest[11:]
+    meta_path.write_text(text.replace(digest, flipped))
+    with pytest.raises(ValueError, match=rf"^{meta_path}: changed since the index was written") as err:
+        load_index(tmp_path / "index", verify=True)
+    assert "doc.npy" not in str(err.value)
+
+    meta_path.write_bytes(b"\xff" + text.encode()[1:])  # a flip that leaves no JSON: the same one line
+    with pytest.raises(ValueError, match=rf"^{meta_path}: changed since the index was written"):
+        load_index(tmp_path / "index", verify=True)
