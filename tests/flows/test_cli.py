@@ -227,6 +227,9 @@ def test_help_shows_what_options_take_not_their_types():
     assert "(required without --config)" in data_help
     lines = {line.split()[1]: line for line in data_help.splitlines() if line.strip("│ ").startswith("--")}
     assert " N " in lines["--max-length"] and "TEXT" not in lines["--force"]
+    # Which Prefect API a run uses, as it is now: the server PREFECT_API_URL names, else sftflow's local one
+    run_help = " ".join(invoke("run", "--help").output.split())
+    assert "ephemeral" not in run_help and "PREFECT_API_URL's server when set, else a local server" in run_help
 
 
 def test_data_keeps_the_documented_command_line(tmp_path):

@@ -166,3 +166,38 @@ def test_the_parent_run_carries_the_summary(first_run):
     assert "| tuned |" in summary and "| base |" in summary
     assert "![loss curve](data:image/png;base64," in summary
     assert "Promotion: **promoted**, champion `v0001`" in summary
+
+
+def test_training_progress_reaches_prefect_at_a_bounded_rate(first_run):
+    """Six steps in well under 30 s: the train task's log and the parent's copy hold the first and the last step
+    only, not one line a step (`progress_log.ThrottledProgress`)."""
+    import re
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.logging.handlers import APILogHandler
+
+    _, state, _ = first_run
+    parent_id = state.state_details.flow_run_id
+    APILogHandler().flush()
+    step_line = re.compile(r"^(?:\[train\]|sft-train) step (\d+)/6 loss ")
+
+    def steps(flow_run_id) -> list[int]:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        return sorted(int(m.group(1)) for m in (step_line.match(log.message) for log in logs) if m)
+
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 15  # logs reach the API in batches
+        while steps(parent_id) != [1, 6] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert steps(parent_id) == [1, 6]
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+        )
+        assert [steps(run.id) for run in children if steps(run.id)] == [[1, 6]]  # the sft-train run's task
