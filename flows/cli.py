@@ -169,6 +169,7 @@ def _user_errors(fn):
 
     from pydantic import BaseModel, ValidationError
 
+    from sftflow.flows.console import USER_ERRORS
     from sftflow.flows.local_api import LocalAPIError
     from sftflow.tasks.core.disk_full import as_disk_full
     from sftflow.tasks.train.errors import TrainingFailed
@@ -181,7 +182,7 @@ def _user_errors(fn):
             from sftflow.flows.config import explain_validation_error, validated_models
 
             _fail(f"config: {explain_validation_error(err, validated_models().get(err.title, BaseModel))}")
-        except (ValueError, FileNotFoundError, LocalAPIError) as err:
+        except (*USER_ERRORS, LocalAPIError) as err:
             _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
         except TrainingFailed as err:  # a crash, not bad input: one line too, with the log above it
             _fail(str(err), code=1)

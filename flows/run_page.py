@@ -4,7 +4,8 @@ The stage flows (`sft-data`, `sft-plan`, `sft-train`, `sft-eval`) are subflow ru
 their own, which the parent's page does not show. So the parent run gets:
 
 - its training progress: `progress_in_parent_log()` copies the train task's step lines into the parent's log (the
-  first, the last, and one each `every_s` seconds between), so `--watch` and the parent's Logs tab show them;
+  task logs them at a bounded rate: `sftflow.tasks.train.progress_log`), so `--watch` and the parent's Logs tab
+  show them;
 - the loss curve as an image artifact (`loss_curve_artifact`);
 - links from its summary to every stage run and to each artifact those runs made (`stage_links_markdown`).
 """
@@ -13,42 +14,32 @@ from __future__ import annotations
 
 import base64
 import logging
-import re
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
-# `sftflow.tasks.train.metrics.Metrics.progress_line`: "[train] |####----| step 12/400 loss ..."
-_STEP = re.compile(r"^\[train\] \|[#-]*\| step (\d+)/(\d+) ")
+from sftflow.tasks.train.progress_log import PROGRESS_LINE
 
 
 class _ProgressToParent(logging.Handler):
     """Re-sends the train task's progress lines, logged on the thread that runs the parent flow, as the parent run's
     logs. They go to the API only: the terminal already shows the task's own line."""
 
-    def __init__(self, flow_run_id: UUID, every_s: float):
+    def __init__(self, flow_run_id: UUID):
         from prefect.logging.handlers import APILogHandler
 
         super().__init__()
-        self.flow_run_id, self.every_s = flow_run_id, every_s
+        self.flow_run_id = flow_run_id
         self.thread = threading.get_ident()
         self.api = APILogHandler()
-        self.last_sent = float("-inf")
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.thread != self.thread:  # another flow run of the same process
             return
-        found = _STEP.match(record.getMessage())
-        if found is None:
+        if PROGRESS_LINE.match(record.getMessage()) is None:
             return
-        step, total = int(found.group(1)), int(found.group(2))
-        now = time.monotonic()
-        if step not in (1, total) and now - self.last_sent < self.every_s:
-            return
-        self.last_sent = now
         copy = logging.makeLogRecord(record.__dict__)
         copy.name, copy.flow_run_id, copy.task_run_id = "prefect.flow_runs", self.flow_run_id, None
         # Named after the stage; and `prefect ... --watch` prints through rich, which would eat "[train]" as markup.
@@ -57,13 +48,13 @@ class _ProgressToParent(logging.Handler):
 
 
 @contextmanager
-def progress_in_parent_log(every_s: float = 30.0) -> Iterator[None]:
+def progress_in_parent_log() -> Iterator[None]:
     """Inside a flow run: copy the training progress that runs below it log into its own log."""
     flow_run_id = current_flow_run_id()
     if flow_run_id is None:
         yield
         return
-    handler = _ProgressToParent(flow_run_id, every_s)
+    handler = _ProgressToParent(flow_run_id)
     task_logs = logging.getLogger("prefect.task_runs")
     task_logs.addHandler(handler)
     try:

@@ -40,7 +40,7 @@ SHAREGPT_ROLES = {
 
 
 class RecordError(ValueError):
-    """A record that cannot be rendered: `source` is `file:line` or `file:row`, `field` names the bad field."""
+    """A record that cannot be rendered: `source` is `file:line` or `file:record N`, `field` names the bad field."""
 
     def __init__(self, source: str, field: str, reason: str):
         self.source, self.field, self.reason = source, field, reason

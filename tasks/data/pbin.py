@@ -1,10 +1,10 @@
-"""pbin: the packed, memory-mappable token file (format version 1).
+"""pbin: the packed, memory-mappable token file (format version 2).
 
 One little-endian file per shard::
 
     offset  size  field
     0       8     magic b"SFTPBIN\\0"
-    8       4     uint32 format version (1)
+    8       4     uint32 format version (2)
     12      4     uint32 header_nbytes
     16      4     uint32 crc32 of the header bytes (a corrupt header is caught on open)
     20      4     uint32 reserved, 0
@@ -25,13 +25,16 @@ Sections (N documents, T tokens, S loss spans in total):
     span_offsets     int64   (N + 1,)      only with spans: doc i's spans are spans[span_offsets[i]:span_offsets[i + 1]]
     spans            int32   (S, 2)        only with spans: half-open [start, end) token ranges relative to the doc,
                                            sorted, non-empty, non-touching (the writer merges touching spans)
-    source_names     uint8   (B,)          UTF-8 JSON list of distinct source names (usually one file path)
+    source_names     uint8   (B,)          UTF-8 JSON list of distinct source prefixes (`"data.jsonl:"`,
+                                           `"data.parquet:record "`): a source string up to its number
     source_name_ids  int32   (N,)          index into source_names
-    source_lines     int64   (N,)          line or row; -1 when the source string has no ":<int>" suffix
+    source_lines     int64   (N,)          the line or record number; -1 when the source string ends in none
     tag_names        uint8   (G,)          only when a document has a tag: UTF-8 JSON list of distinct tags
     tag_ids          int32   (N,)          only with tag_names: index into tag_names, -1 for an untagged document
 
-A document's source string is `f"{name}:{line}"` (or `name` when line is -1), exactly as the writer was given.
+A document's source string is `f"{prefix}{line}"` (or `prefix` when line is -1), exactly as the writer was given:
+`file:line` for JSONL, `file:record N` for a JSON array, Parquet or `datasets` source. Version 1 stored names without
+the `:` and knew only `file:line`.
 A file written without spans trains every token: readers report one span `[0, L)` per non-empty document.
 No pickle anywhere; every section is a plain array that `numpy` views in place over one read-only `mmap`.
 """
@@ -42,6 +45,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -55,7 +59,7 @@ import numpy as np
 from sftflow.tasks.core.atomic import atomic_writer
 from sftflow.tasks.data.records import TokenizedDoc
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"SFTPBIN\0"
 ALIGNMENT = 64
 _PREAMBLE = struct.Struct("<8sIIII")  # magic, version, header_nbytes, header_crc32, reserved
@@ -141,11 +145,17 @@ def _normalize_spans(docs: Sequence[TokenizedDoc], lengths: np.ndarray) -> tuple
     return span_offsets, spans
 
 
+# A source ends in its number after `:` (a line) or `:record ` (a record); a number with a leading zero would not
+# print back the same, so it stays in the prefix.
+_NUMBERED_SOURCE = re.compile(r"(.*:(?:record )?)(0|[1-9][0-9]*)", re.ASCII | re.DOTALL)
+
+
 def _split_source(source: str) -> tuple[str, int]:
-    name, sep, tail = source.rpartition(":")
-    if sep and tail.isdigit() and tail.isascii() and str(int(tail)) == tail:
-        return name, int(tail)
-    return source, -1
+    """(prefix, number) with `prefix + str(number) == source`, or (source, -1) when it ends in no number."""
+    match = _NUMBERED_SOURCE.fullmatch(source)
+    if match is None:
+        return source, -1
+    return match.group(1), int(match.group(2))
 
 
 def _source_sections(docs: Sequence[TokenizedDoc]) -> dict[str, np.ndarray]:
@@ -505,11 +515,11 @@ class PbinFile:
         return json.loads(self.section("source_names").tobytes().decode("utf-8"))
 
     def source(self, i: int) -> str:
-        """Where document `i` came from, as given to the writer (`"path:line"` or `"path:row"`)."""
+        """Where document `i` came from, as given to the writer (`"path:line"` or `"path:record N"`)."""
         i = self._check_index(i)
         name = self._source_names[int(self.section("source_name_ids")[i])]
         line = int(self.section("source_lines")[i])
-        return name if line < 0 else f"{name}:{line}"
+        return name if line < 0 else f"{name}{line}"
 
     @property
     def has_tags(self) -> bool:

@@ -16,8 +16,9 @@ class RenderedDoc:
     """A conversation rendered to text by the chat template.
 
     `train_char_spans` are half-open `[start, end)` character ranges of `text` whose tokens are trained.
-    `source` is `"path:line"` (JSONL, 1-based) or `"path:row"` (Parquet / datasets, 0-based) for error messages and
-    provenance. `tag` is the record's tag field (`render.tag_field`), if it has one: metrics are broken down by it.
+    `source` is `"path:line"` (JSONL) or `"path:record N"` (JSON array, Parquet, datasets), both counting from 1,
+    for error messages and provenance. `tag` is the record's tag field (`render.tag_field`), if it has one: metrics
+    are broken down by it.
     """
 
     text: str

@@ -3,8 +3,8 @@
     {"messages": [...]}  ──normalise──▶  messages  ──chat template──▶  {"text": "...", "train_char_spans": [[s, e)],
     {"conversations": ...}                                                  "source": "data.jsonl:7"}
 
-Sources are JSONL (`file:line`, 1-based), a `.json` array (`file:row`, 0-based), Parquet (`file:row`, 0-based) or a
-folder saved with `datasets.save_to_disk` (`folder:row`, or `folder[split]:row`).
+Sources are JSONL (`file:line`), a `.json` array or Parquet (`file:record N`) or a folder saved with
+`datasets.save_to_disk` (`folder:record N`, or `folder[split]:record N`); lines and records count from 1.
 
 `mask_policy="generation"` trains what the template's `{% generation %}` blocks render. `mask_policy="roles"` works
 with any prefix-stable template: the span of message i is the text that rendering `messages[:i+1]` adds to rendering

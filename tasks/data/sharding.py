@@ -14,7 +14,8 @@ that hashes it for the cache key, so sharding reads the file once, as an unshard
 
 Parquet is split by row range: runs of whole row groups (`shard_bytes`, by uncompressed size) or fixed row counts
 (`shard_records`). A `datasets` folder is split by row range within each split. A `.json` array is one shard: a JSON
-document cannot be split without parsing all of it.
+document cannot be split without parsing all of it. Records of these three are named `file:record N` (`folder[split]:
+record N` for a split), N counting from 1 over the whole file or split, whichever shard reads them.
 
 Shards are listed in file order and read in that order, so concatenating their records gives the unsharded record
 sequence exactly; a single shard covering the whole source is reported as `None` (read the whole source).
@@ -326,7 +327,14 @@ def _skip_line(f) -> int:
     return skipped
 
 
+def record_source(name: str | Path, row: int) -> str:
+    """`"name:record N"` of 0-based row `row`: record numbers count from 1, as JSONL line numbers do, and say
+    "record" because a JSON array's or a table's record is not a line an editor can jump to."""
+    return f"{name}:record {row + 1}"
+
+
 def iter_json_array(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """`(f"{path}:record {n}", record)` for each element of a JSON array (n from 1)."""
     with open(path, encoding="utf-8") as f:
         try:
             records = json.load(f)
@@ -335,13 +343,14 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[str, Any]]:
         except ValueError as err:  # a number of more than 4300 digits, which Python refuses to parse
             raise ValueError(f"{path}: JSON that Python cannot read: {err}") from None
     for row, record in enumerate(records):
-        source = f"{path}:{row}"
+        source = record_source(path, row)
         found = lone_surrogate(record)
         yield source, record if found is None else RecordError(source, found[0], surrogate_reason(*found[1:]))
 
 
 def iter_parquet(path: str | Path, start: int = 0, end: int | None = None) -> Iterator[tuple[str, Any]]:
-    """`(f"{path}:{row}", record)` for rows `[start, end)` (0-based rows of the whole file), a batch at a time."""
+    """`(f"{path}:record {n}", record)` for rows `[start, end)` (0-based rows of the whole file; n = row + 1), a
+    batch at a time."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -360,7 +369,7 @@ def iter_parquet(path: str | Path, start: int = 0, end: int | None = None) -> It
         lo, hi = max(start - row, 0), min(end - row, batch.num_rows)
         if lo < hi:
             for k, record in enumerate(batch.slice(lo, hi - lo).to_pylist()):
-                yield f"{path}:{row + lo + k}", record
+                yield record_source(path, row + lo + k), record
         row += batch.num_rows
         if row >= end:
             return
@@ -369,7 +378,8 @@ def iter_parquet(path: str | Path, start: int = 0, end: int | None = None) -> It
 def iter_datasets(
     path: str | Path, split: str | None = None, start: int = 0, end: int | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """`(f"{path}[{split}]:{row}", record)` for a `datasets` folder: every split, or rows `[start, end)` of one."""
+    """`(f"{path}[{split}]:record {n}", record)` for a `datasets` folder: every split, or rows `[start, end)` of one
+    (n = row + 1)."""
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
@@ -384,7 +394,7 @@ def iter_datasets(
         hi = dataset.num_rows if end is None else min(end, dataset.num_rows)
         rows = dataset.select(range(start, hi)) if (start, hi) != (0, dataset.num_rows) else dataset
         for k, record in enumerate(rows):
-            yield f"{prefix}:{start + k}", record
+            yield record_source(prefix, start + k), record
 
 
 def iter_range_records(

@@ -43,6 +43,7 @@ from sftflow.tasks.train.data import load_plan, plan_path
 from sftflow.tasks.train.errors import TrainingFailed  # noqa: F401  (raised here; imported from here by callers)
 from sftflow.tasks.train.lifetime import LAUNCHER_PID_VAR, WRITERS_VAR
 from sftflow.tasks.train.metrics import read_metrics
+from sftflow.tasks.train.progress_log import ThrottledProgress
 
 WORKER_MODULE = "sftflow.tasks.train.worker"
 TORCHRUN_MODULE = "sftflow.tasks.train.torchrun"
@@ -371,16 +372,20 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
         live.start(run_dir)
     code = None
     disk_full: list[DiskFull] = []
+    # A Prefect run keeps every line it logs: step lines at a bounded rate there (`progress_log`).
+    emit = ThrottledProgress(logger.info) if _in_prefect_run() else logger.info
 
     def on_line(line: str) -> None:
         full = from_report_line(line)
         if full is not None and not disk_full:  # the first rank's report
             disk_full.append(full)
-        logger.info(line)
+        emit(line)
 
     try:
         code = run_streaming(cmd, _worker_env(config), config.timeout_s, on_line, progress.tick)
     finally:
+        if isinstance(emit, ThrottledProgress):
+            emit.flush()
         if live is not None:
             live.stop(trained=code == 0)
     if code != 0:

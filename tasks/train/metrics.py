@@ -1,4 +1,5 @@
-"""Per-step metrics: `metrics.jsonl` (rank 0, one JSON object per optimizer step) and a rank-0 progress line.
+"""Per-step metrics: `metrics.jsonl` (rank 0, one JSON object per optimizer step) and a rank-0 progress line
+(`progress_log`).
 
 Step time and throughput are smoothed with exponential moving averages started at zero and bias-corrected, as Adam
 does for its moments: after n updates `ema_n = alpha * ema_{n-1} + (1 - alpha) * x_n`, reported as
@@ -21,6 +22,7 @@ import torch
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.train.config import MetricsConfig
+from sftflow.tasks.train.progress_log import progress_line
 
 # Dense bf16 peak FLOP/s per device, no sparsity.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -50,13 +52,6 @@ class BiasCorrectedEMA:
         if self.count == 0:
             return math.nan
         return self.value / (1 - self.alpha**self.count)
-
-
-def _clock(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class MetricsLogger:
@@ -145,19 +140,8 @@ class MetricsLogger:
             with self.config.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if step % self.config.log_every == 0 or step == self.total_steps or skipped:
-                print(self.progress_line(record), file=sys.stdout, flush=True)
+                print(progress_line(record, self.total_steps), file=sys.stdout, flush=True)
         return record
-
-    def progress_line(self, r: dict, width: int = 24) -> str:
-        done = round(width * r["step"] / max(self.total_steps, 1))
-        bar = "#" * done + "-" * (width - done)
-        loss = "  skipped" if r["loss"] is None else f"{r['loss']:9.4f}"
-        extra = f" ({r['skipped']})" if r["skipped"] else ""
-        mfu = f" mfu {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
-        return (
-            f"[train] |{bar}| step {r['step']}/{self.total_steps} loss{loss} lr {r['lr']:.3g} "
-            f"tok/s {r['ema_tokens_per_s']:.0f}{mfu} eta {_clock(r['eta_s'])}{extra}"
-        )
 
 
 def read_metrics(path: str | Path) -> list[dict]:

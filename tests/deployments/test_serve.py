@@ -43,7 +43,7 @@ DEPLOYMENTS = (
 )
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 CRASH_LR = 7e-4  # the run with this learning rate crashes after step 1, once (tests/crash_shim); the others do not
-STEP_LINE = re.compile(r"\|[#-]*\| step (\d+)/(\d+) ")  # `Metrics.progress_line`
+STEP_LINE = re.compile(r"step (\d+)/(\d+) loss ")  # `progress_log.progress_line`
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -212,7 +212,7 @@ def test_deployment_run_watch_shows_training_progress_and_completes(served, full
     parent_steps = {m.group(1, 2) for m in STEP_LINE.finditer(run.stdout)}
     assert {("1", "2"), ("2", "2")} <= parent_steps, run.stdout
     logs = served.get("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}})
-    assert any(log["message"].startswith("sft-train |") and log["task_run_id"] is None for log in logs), logs
+    assert any(log["message"].startswith("sft-train step ") and log["task_run_id"] is None for log in logs), logs
 
 
 @pytest.mark.slow

@@ -182,6 +182,24 @@ def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
         plan_from_index(tmp_path / "empty-index", PlanConfig(num_ranks=1, tokens_per_rank=512), tmp_path / "plan2")
 
 
+def test_a_user_error_in_a_flow_reaches_the_terminal_once(tmp_path, tiny_tokenizer_dir):
+    """A bad record found inside nested flow runs (`sft` → `sft-data` → render): the terminal shows its one line
+    once, as the command's `error:`, not again in each run's final state; the log keeps every record of it."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assitant", "content": "x"}]}))
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"work_dir: work\ndata: {{sources: [{bad}], tokenizer: {tiny_tokenizer_dir}, render: {{template: chatml}}}}\n"
+    )
+    result = run_cli("run", str(config))
+    terminal = result.stdout + result.stderr
+    reason = f"{bad}:1: messages[1].role is 'assitant'"
+    assert result.returncode == 2, terminal
+    assert terminal.count(reason) == 1, terminal
+    assert f"error: {reason}" in terminal
+    assert (tmp_path / "work" / "sftflow.log").read_text().count(reason) >= 3  # task, flows: all still logged
+
+
 def test_every_default_is_the_config_models_own():
     """An option that sets a config field has no default of its own; its help shows the field's."""
     import inspect
@@ -209,6 +227,9 @@ def test_help_shows_what_options_take_not_their_types():
     assert "(required without --config)" in data_help
     lines = {line.split()[1]: line for line in data_help.splitlines() if line.strip("│ ").startswith("--")}
     assert " N " in lines["--max-length"] and "TEXT" not in lines["--force"]
+    # Which Prefect API a run uses, as it is now: the server PREFECT_API_URL names, else sftflow's local one
+    run_help = " ".join(invoke("run", "--help").output.split())
+    assert "ephemeral" not in run_help and "PREFECT_API_URL's server when set, else a local server" in run_help
 
 
 def test_data_keeps_the_documented_command_line(tmp_path):

@@ -166,3 +166,47 @@ def test_the_parent_run_carries_the_summary(first_run):
     assert "| tuned |" in summary and "| base |" in summary
     assert "![loss curve](data:image/png;base64," in summary
     assert "Promotion: **promoted**, champion `v0001`" in summary
+
+
+def test_training_progress_reaches_prefect_at_a_bounded_rate(first_run):
+    """The train task's log and the parent's copy hold the first and the last step and at most one line each 30 s
+    between, not one line a step (`progress_log.ThrottledProgress`; its rate is tested on a fake clock)."""
+    import re
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.logging.handlers import APILogHandler
+
+    from sftflow.tasks.train.metrics import read_metrics
+
+    _, state, _ = first_run
+    parent_id = state.state_details.flow_run_id
+    records = read_metrics(Path(state.result().train.run_dir) / "metrics.jsonl")
+    # Six steps take a few seconds: two lines. A machine slow enough to take 30 s or more may log one more a 30 s.
+    most = 3 + int(sum(r["step_time_s"] for r in records) // 30)
+    APILogHandler().flush()
+    step_line = re.compile(r"^(?:\[train\]|sft-train) step (\d+)/6 loss ")
+
+    def steps(flow_run_id) -> list[int]:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        return sorted(int(m.group(1)) for m in (step_line.match(log.message) for log in logs) if m)
+
+    def bounded(found: list[int]) -> bool:
+        return found[:1] == [1] and found[-1:] == [6] and len(found) <= most
+
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 15  # logs reach the API in batches
+        while not bounded(steps(parent_id)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert bounded(steps(parent_id)), steps(parent_id)
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+        )
+        [task_steps] = [steps(run.id) for run in children if steps(run.id)]  # the sft-train run's train task
+        assert bounded(task_steps), task_steps

@@ -86,7 +86,7 @@ def test_sharegpt_with_function_call_observation_and_tools_string():
         "tools": '[{"name": "get_weather", "description": "d", "parameters": {"type": "object"}}]',
         "system": "Be brief.",
     }
-    conv = normalize_record(record, "sharegpt", "g.json:0")
+    conv = normalize_record(record, "sharegpt", "g.json:record 1")
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool", "assistant"]
     call = conv.messages[2]["tool_calls"][0]
     assert call == {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}

@@ -40,8 +40,9 @@ def docs_strategy(draw, vocab_size: int):
         source = draw(
             st.one_of(
                 st.builds(
-                    lambda f, n: f"{f}:{n}",
-                    st.sampled_from(["a.jsonl", "dir/b.parquet", "c:d.jsonl"]),
+                    lambda f, sep, n: f"{f}{sep}{n}",
+                    st.sampled_from(["a.jsonl", "dir/b.parquet", "c:d.jsonl", "ds[train]"]),
+                    st.sampled_from([":", ":record ", ":0", ":record 0", "record "]),
                     st.integers(0, 10**6),
                 ),
                 st.text(max_size=12),
@@ -82,6 +83,17 @@ def test_round_trip(tmp_path_factory, data, vocab_size, with_spans):
         np.testing.assert_array_equal(f.doc_lengths, [len(d.input_ids) for d in docs])
         np.testing.assert_array_equal(f.loss_token_counts, counts)
         assert info.num_loss_tokens == sum(counts) == f.header["num_loss_tokens"]
+
+
+def test_numbered_sources_share_one_stored_prefix(tmp_path):
+    """A line (`file:7`) or a record (`file:record 7`) stores its file once, however many documents it has."""
+    path = tmp_path / "x.pbin"
+    sources = ["d.jsonl:1", "d.jsonl:12", "d.parquet:record 1", "d.parquet:record 2", "ds[test]:record 3", "odd"]
+    write_pbin(path, [make_doc([1], [[0, 1]], s) for s in sources], 10, PROVENANCE)
+    with open_pbin(path) as f:
+        assert [f.source(i) for i in range(len(sources))] == sources
+        assert f._source_names == ["d.jsonl:", "d.parquet:record ", "ds[test]:record ", "odd"]
+        assert f.section("source_lines").tolist() == [1, 12, 1, 2, 3, -1]
 
 
 def test_doc_is_a_zero_copy_read_only_view(tmp_path):
@@ -194,7 +206,7 @@ def test_wrong_version(shard):
     raw = bytearray(shard.read_bytes())
     struct.pack_into("<I", raw, 8, FORMAT_VERSION + 1)
     shard.write_bytes(raw)
-    with pytest.raises(PbinError, match=f"{shard}: pbin format version 2 is not supported"):
+    with pytest.raises(PbinError, match=f"{shard}: pbin format version {FORMAT_VERSION + 1} is not supported"):
         open_pbin(shard)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pydantic
 import pytest
@@ -191,15 +192,37 @@ def test_json_array_parquet_and_datasets_sources(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     expected = [r["messages"][1]["content"] + "<|im_end|>" for r in rows]
     for name, sources in [
-        ("d.json", ["d.json:0", "d.json:1"]),
-        ("d.parquet", ["d.parquet:0", "d.parquet:1"]),
-        ("ds", ["ds:0", "ds:1"]),
-        ("dd", ["dd[train]:0", "dd[train]:1"]),
+        ("d.json", ["d.json:record 1", "d.json:record 2"]),
+        ("d.parquet", ["d.parquet:record 1", "d.parquet:record 2"]),
+        ("ds", ["ds:record 1", "ds:record 2"]),
+        ("dd", ["dd[train]:record 1", "dd[train]:record 2"]),
     ]:
         stats = render_source(tmp_path / name, tmp_path / f"{name}.out.jsonl", RenderConfig(), load_template("chatml"))
         docs = read_rendered_shard(stats.out_path)
         assert [d.source for d in docs] == [str(tmp_path / s) for s in sources], name
         assert [d.text[slice(*d.train_char_spans[0])] for d in docs] == expected, name
+
+
+@pytest.mark.parametrize("kind", ["d.json", "d.parquet", "ds"])
+def test_bad_records_of_arrays_and_tables_are_located_from_record_1(tmp_path, kind):
+    """The third record is `record 3` in the error and in the rejects file, as line 3 of a JSONL file would be."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [GOOD, GOOD, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}]
+    path = tmp_path / kind
+    if kind == "d.json":
+        path.write_text(json.dumps(rows))
+    elif kind == "d.parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:record 3: messages\[1\].content is empty"):
+        render_source(path, tmp_path / "o.jsonl", RenderConfig(), load_template("chatml"))
+    stats = render_source(path, tmp_path / "o.jsonl", RenderConfig(on_bad_record="reject"), load_template("chatml"))
+    [reject] = [json.loads(line) for line in open(stats.rejects_path)]
+    assert (reject["source"], reject["field"]) == (f"{path}:record 3", "messages[1].content")
 
 
 def test_parquet_null_optional_fields_are_dropped(tmp_path):

@@ -1,4 +1,4 @@
-"""Source shards: boundaries never split a record, every record is read exactly once with its true line or row."""
+"""Source shards: boundaries never split a record, every record is read exactly once with its true line or record."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_parquet_row_shards_cover_every_row_once(num_rows, row_group_size, shard
         sha256, ranges = plan_shards(path, **{f"shard_{kind}": size})
         assert sha256 == sha256_file(path)
         got = _read_all(path, ranges)
-        assert got == [(f"{path}:{i}", row) for i, row in enumerate(rows)]
+        assert got == [(f"{path}:record {i + 1}", row) for i, row in enumerate(rows)]
         assert got == _read_all(path, [None])
         if ranges != [None] and kind == "records":
             assert all(r.end - r.start == size for r in ranges[:-1])
@@ -152,7 +152,7 @@ def test_datasets_folder_shards_by_row_range_per_split(tmp_path):
     ]
     whole = _read_all(path, [None])
     assert _read_all(path, ranges) == whole
-    assert [s for s, _ in whole][6:8] == [f"{path}[train]:6", f"{path}[test]:0"]
+    assert [s for s, _ in whole][6:8] == [f"{path}[train]:record 7", f"{path}[test]:record 1"]
     # By bytes: about shard_bytes of Arrow data per shard, still every row once.
     _, by_bytes = plan_shards(path, shard_bytes=20)
     assert len(by_bytes) > 2
