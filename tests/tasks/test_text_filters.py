@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sftflow.tasks.data.decontam import Decontaminator, benchmark_ngrams
-from sftflow.tasks.data.index import ARRAY_NAMES, build_index, load_index
+from sftflow.tasks.data.index import ARRAY_NAMES, INDEX_SHA256, build_index, load_index
 from sftflow.tasks.data.index_config import DecontamConfig, NearDedupConfig
 from sftflow.tasks.data.pbin import PbinFile
 from sftflow.tasks.data.text_filters import TextFilters
@@ -122,7 +122,7 @@ def test_clean_data_indexes_to_the_same_arrays_with_the_filters_on_or_off(plante
     assert on.filtered_by_source == {s: {"contaminated": 0, "near_duplicate": 0} for s in sources}
     # Off, nothing of the filters shows in the index folder.
     assert sorted(p.name for p in (root / "off").iterdir()) == sorted(
-        [f"{n}.npy" for n in ARRAY_NAMES] + ["index.json"]
+        [f"{n}.npy" for n in ARRAY_NAMES] + ["index.json", INDEX_SHA256]
     )
     meta = json.loads((root / "off" / "index.json").read_text())
     assert "text_filters" not in meta and set(meta["config"]) == {"max_length", "dedup", "eval_fraction", "split_salt"}
