@@ -500,7 +500,7 @@ def run(
     learning_rate: Annotated[float | None, _option("train.lr", "--learning-rate")] = None,
     max_steps: Annotated[int | None, _option("train.max_steps")] = None,
     set: Assignments = None,
-    force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval")] = None,
+    force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval|bench")] = None,
     promote: Annotated[
         bool, typer.Option("--promote", help="end with the promotion gate (see `sftflow promote`)")
     ] = False,

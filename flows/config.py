@@ -19,6 +19,7 @@ from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
+from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
 from sftflow.tasks.plan.config import PlanConfig, SourceShare
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions
@@ -149,6 +150,7 @@ class DemoConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     records: int = Field(4000, ge=10)
     seed: int = 0
+    bench: bool = Field(False, description="also benchmark base vs tuned on the demo's arithmetic and capitals tasks")
 
 
 class SFTConfig(BaseModel):
@@ -162,6 +164,7 @@ class SFTConfig(BaseModel):
     train: TrainOptions = TrainOptions()
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
+    bench: BenchConfig = BenchConfig()
     track: TrackConfig = TrackConfig()
 
     @classmethod
@@ -189,6 +192,16 @@ class SFTConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _bench_rules_need_bench(self) -> SFTConfig:
+        if not self.promote.bench_rules:
+            return self
+        if not (self.bench.enabled or (self.demo is not None and self.demo.bench)):
+            raise ValueError("promote.bench_*: rules on benchmark scores need tasks; name them in bench.tasks")
+        if not self.bench.compare_base:
+            raise ValueError("promote.bench_*: the rules compare with the base model; set bench.compare_base: true")
+        return self
+
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A YAML run config as a mapping, its relative paths made relative to the file (not the working directory), so
@@ -211,6 +224,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     plan = raw.get("plan") or {}
     if isinstance(plan, dict) and isinstance(plan.get("cost_table"), str):
         plan["cost_table"] = str(_relative_to(p, plan["cost_table"]).resolve())
+    bench = raw.get("bench") or {}
+    if isinstance(bench, dict) and isinstance(bench.get("tasks"), list):
+        bench["tasks"] = [_source_relative_to(p, t) for t in bench["tasks"]]
     render = data.get("render") if isinstance(data, dict) else None
     train = raw.get("train")
     for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):
@@ -397,6 +413,18 @@ def data_config(cfg: SFTConfig) -> DataConfig:
     base = cfg.data.model_dump() if cfg.data else {"render": {"template": "chatml"}, "index": {"eval_fraction": 0.1}}
     base.update(sources=[str(paths["data"])], tokenizer=str(paths["tokenizer"]))
     return DataConfig.model_validate(base)
+
+
+def bench_config(cfg: SFTConfig) -> BenchConfig:
+    """The bench section; with `demo.bench`, the demo's own tasks too (written once beside its data)."""
+    if cfg.demo is None or not cfg.demo.bench:
+        return cfg.bench
+    from sftflow.tasks.demo import DEMO_BENCH, write_demo_bench
+
+    paths = write_demo_bench(Path(cfg.work_dir) / "demo" / "bench")
+    tasks = [BenchTask(path=str(paths[name]), **settings) for name, settings in DEMO_BENCH.items()]
+    # Validated again: a task of the user's may share a demo task's name.
+    return BenchConfig.model_validate({**cfg.bench.model_dump(), "tasks": [*tasks, *cfg.bench.tasks]})
 
 
 def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
