@@ -32,6 +32,7 @@ def sft_bench(
     bench = bench_config(cfg)
     if not bench.enabled:
         raise ValueError("config: `bench` names no tasks; add bench.tasks (local JSONL files) to run sft-bench")
+    tasks = resolve_tasks(bench)  # a missing task file is named before anything runs
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)
@@ -47,7 +48,7 @@ def sft_bench(
             data.tokenizer,
             template,
             vocab_size,
-            resolve_tasks(bench),
+            tasks,
             list(bench.lm_eval_tasks),
             str(work),
         )

@@ -106,12 +106,12 @@ DEMO_BENCH = {
 
 
 def write_demo_bench(out_dir: str | Path, seed: int = 1) -> dict[str, Path]:
-    """`arithmetic.jsonl` (40 additions, answered by generation) and `capitals.jsonl` (each country of the table with
+    """`arithmetic.jsonl` (24 additions, answered by generation) and `capitals.jsonl` (each country of the table with
     four capitals to choose from)."""
     rng = random.Random(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pairs = rng.sample([(a, b) for a in range(10) for b in range(10)], 40)
+    pairs = rng.sample([(a, b) for a in range(10) for b in range(10)], 24)
     arithmetic = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
     capitals = []
     for country, capital in sorted(CAPITALS.items()):
