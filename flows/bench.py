@@ -14,7 +14,7 @@ from sftflow.flows.eval import base_model
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
 from sftflow.tasks.core.manifests import BenchReport, TrainResult
-from sftflow.tasks.eval.bench_config import resolve_tasks
+from sftflow.tasks.eval.bench_config import resolve_lm_eval, resolve_tasks
 from sftflow.tasks.eval.bench_stage import bench_task
 
 
@@ -32,7 +32,7 @@ def sft_bench(
     bench = bench_config(cfg)
     if not bench.enabled:
         raise ValueError("config: `bench` names no tasks; add bench.tasks (local JSONL files) to run sft-bench")
-    tasks = resolve_tasks(bench)  # a missing task file is named before anything runs
+    tasks, lm_eval = resolve_tasks(bench), resolve_lm_eval(bench)  # a missing file is named before anything runs
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)
@@ -49,7 +49,7 @@ def sft_bench(
             template,
             vocab_size,
             tasks,
-            list(bench.lm_eval_tasks),
+            lm_eval,
             str(work),
         )
         write_stage_result(work, "bench", report)

@@ -61,6 +61,9 @@ class BenchConfig(BaseModel):
     lm_eval_tasks: list[str] = Field(
         [], description="also these tasks of lm-evaluation-harness's registry (needs the `bench` extra)"
     )
+    lm_eval_include: str | None = Field(
+        None, description="a folder of lm-eval task YAMLs (for tasks over local `data_files`), added to its registry"
+    )
     compare_base: bool = True
 
     @model_validator(mode="after")
@@ -84,6 +87,29 @@ class BenchTaskFile(Manifest):
     """A task and its file's sha256: the stage's cache key holds the file's content, and a changed file is refused."""
 
     task: BenchTask
+
+
+class LmEvalTasks(BaseModel):
+    """lm-eval tasks to run, and the folder of the user's own task YAMLs with the hash of its files (the cache key
+    then holds them: keep a task's local data files in that folder)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    names: list[str]
+    include: str | None = None
+    include_sha256: str | None = None
+
+
+def resolve_lm_eval(config: BenchConfig) -> LmEvalTasks | None:
+    from sftflow.tasks.core.fingerprint import sha256_tree
+
+    if not config.lm_eval_tasks:
+        return None
+    include = config.lm_eval_include
+    if include is not None and not Path(include).is_dir():
+        raise ValueError(f"bench.lm_eval_include: folder {include} does not exist")
+    return LmEvalTasks(
+        names=list(config.lm_eval_tasks), include=include, include_sha256=sha256_tree(include) if include else None
+    )
 
 
 def resolve_tasks(config: BenchConfig) -> list[BenchTaskFile]:

@@ -15,7 +15,7 @@ from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.core.manifests import BenchReport, BenchTaskScores, ModelRef, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.eval.bench import TaskResult, run_bench
-from sftflow.tasks.eval.bench_config import BenchTaskFile
+from sftflow.tasks.eval.bench_config import BenchTaskFile, LmEvalTasks
 
 
 def bench_run(
@@ -25,9 +25,9 @@ def bench_run(
     chat_template: str | None,
     vocab_size: int | None,
     tasks: list[BenchTaskFile],
-    lm_eval_tasks: list[str],
+    lm_eval: LmEvalTasks | None = None,
 ) -> list[TaskResult]:
-    """Load the models and score them on every task: the local files here, `lm_eval_tasks` through lm-eval."""
+    """Load the models and score them on every task: the local files here, `lm_eval`'s through lm-eval."""
     from transformers import AutoTokenizer
 
     from sftflow.tasks.data.chat_template import ChatTemplate
@@ -43,10 +43,10 @@ def bench_run(
         models["base"] = load_model(base, vocab_size)
     models["tuned"] = load_model(tuned, vocab_size)
     results = run_bench(models, tokenizer, template, tasks)
-    if lm_eval_tasks:
+    if lm_eval is not None:
         from sftflow.tasks.eval.bench_lm_eval import run_lm_eval
 
-        results += run_lm_eval(models, tokenizer, lm_eval_tasks)
+        results += run_lm_eval(models, tokenizer, lm_eval.names, lm_eval.include)
     return results
 
 
@@ -96,12 +96,12 @@ def bench_task(
     chat_template: str | None,
     vocab_size: int | None,
     tasks: list[BenchTaskFile],
-    lm_eval_tasks: list[str],
+    lm_eval: LmEvalTasks | None,
     work_dir: str,
 ) -> BenchReport:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    results = bench_run(tuned, base, tokenizer.path, chat_template, vocab_size, tasks, lm_eval_tasks)
+    results = bench_run(tuned, base, tokenizer.path, chat_template, vocab_size, tasks, lm_eval)
     samples = out_dir / "samples.jsonl"
     write_atomic(
         samples,

@@ -171,6 +171,15 @@ def test_config_refuses_a_bad_pattern_and_repeated_names():
         BenchConfig(tasks=[BenchTask(name="t", path="x", kind="choice")] * 2)
 
 
+def test_lm_eval_tasks_without_lm_eval_say_which_extra_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed
+    with pytest.raises(ValueError, match=r"pip install 'sftflow\[bench\]'"):
+        BenchConfig(lm_eval_tasks=["gsm8k"])
+    assert not BenchConfig(tasks=[]).enabled  # local tasks alone never need it
+
+
 def _report(**scores: tuple[float, float]) -> BenchReport:
     tasks = {
         name: BenchTaskScores(metric="accuracy", items=10, scores={"base": base, "tuned": tuned})
