@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sftflow.flows.bench import sft_bench
 from sftflow.flows.config import SFTConfig, load_config
@@ -47,11 +48,16 @@ def setup(tmp_path_factory):
     torch.manual_seed(cfg.train.seed)  # as the base preset is built: the same weights
     vocab = load_index(data.index.dir).meta["vocab_size"]
     build_model("tiny-llama", vocab_size=vocab, packed=False, overrides=TINY).save_pretrained(work / "step0")
-    train = TrainResult(
-        run_dir=str(work), steps=0, final_loss=None, trained_tokens=0, metrics_path="", checkpoint=None,
-        hf_dir=str(work / "step0"),
+    torch.manual_seed(1)
+    build_model("tiny-llama", vocab_size=vocab, packed=False, overrides=TINY).save_pretrained(work / "other")
+    return work, data, _trained(work / "step0")
+
+
+def _trained(folder: Path) -> TrainResult:
+    return TrainResult(
+        run_dir=str(folder), steps=0, final_loss=None, trained_tokens=0, metrics_path="", checkpoint=None,
+        hf_dir=str(folder),
     )  # fmt: skip
-    return work, data, train
 
 
 def _lines(*items: dict) -> str:
@@ -109,6 +115,36 @@ def test_the_demo_tasks_and_the_gate(setup):
     # No task fell below the base: the same model passes a regression rule (and, with no champion, is promoted).
     passed = sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=train, bench=report)
     assert passed.decision == "promoted", passed.reasons
+
+
+def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
+    """Items whose right answer is the base's own pick: the base scores 100%, another model (other weights) less.
+    The choices are one token each: a random model's log-likelihoods otherwise mostly count a choice's tokens, so
+    any two would pick the shortest alike."""
+    from sftflow.flows.eval import base_model
+    from sftflow.tasks.eval.bench import choice_loglikelihoods, encode
+    from sftflow.tasks.eval.stage import load_model
+
+    work, data, _ = setup
+    questions = ["What is 1 + 2?", "Capital of Peru?", "Reverse abc", "What is 5 + 3?", "Capital of Cuba?"]
+    choices = ["1", "2", "3", "4", "5", "6", "7", "8"]
+    tokenizer = AutoTokenizer.from_pretrained(data.tokenizer.path)
+    assert all(len(encode(tokenizer, c)) == 1 for c in choices)
+    base = load_model(base_model(_config(work)), len(tokenizer))
+    items = []
+    for q in questions:
+        loglik = choice_loglikelihoods(base, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
+        items.append({"question": q, "choices": choices, "answer": max(range(8), key=loglik.__getitem__)})
+    (tmp_path / "picks.jsonl").write_text(_lines(*items))
+    task = {"name": "picks", "path": str(tmp_path / "picks.jsonl"), "kind": "choice", "chat": False}
+    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1)
+
+    report = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
+    assert report.tasks["picks"].scores["base"] == 1.0
+    assert report.tasks["picks"].scores["tuned"] < 0.9, "the other weights happen to pick as the base does"
+    refused = sft_promote(config=cfg, data=data, train=_trained(work / "other"))
+    assert refused.decision == "kept"
+    assert any(r.startswith("bench picks: accuracy") and "below the base's 100.0%" in r for r in refused.reasons)
 
 
 def test_bench_rules_without_tasks_and_yaml_paths(tmp_path):
