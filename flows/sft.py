@@ -75,7 +75,9 @@ def sft(
         promotion = sft_promote(config=cfg, data=data, train=trained, bench=bench) if promote else None
         tracking = []
         if cfg.track.enabled:
-            tracking = track_task(cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir, promotion)
+            tracking = track_task(
+                cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir, promotion, bench
+            )
     result = SFTResult(
         data=data, plan=plan, train=trained, eval=report, bench=bench, promotion=promotion, tracking=tracking
     )

@@ -197,3 +197,21 @@ def test_the_gate_refuses_a_task_that_regresses_and_a_mean_below_the_bar():
     assert reasons == ["bench capitals: accuracy 46.0% fell 4.0 points below the base's 50.0% (at most 1.0 allowed)"]
     ok, reasons = decide_bench(report, PromoteConfig(bench_min_mean_gain=0.5))
     assert not ok and reasons == ["bench mean 68.0% vs the base's 35.0%: +33.0 points misses the +50.0 required"]
+
+
+def test_trackers_get_the_benchmark_scores(tmp_path):
+    """The scores reach a real tracker (TensorBoard's event files) as `bench/<model>/<task>/<metric>` scalars."""
+    pytest.importorskip("tensorboard", reason="needs the track extra (tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sftflow.tasks.track.config import TrackConfig
+    from sftflow.tasks.track.record import RunRecord
+    from sftflow.tasks.track.stage import send
+
+    tasks = _report(arithmetic=(0.0, 0.625)).tasks
+    record = RunRecord(name="run", params={}, steps=[{"step": 1, "loss": 1.0}], eval={}, final_step=1, bench=tasks)
+    (sent,) = send(record, TrackConfig(tensorboard=True), tmp_path, {})
+    events = EventAccumulator(sent.url)
+    events.Reload()
+    assert events.Scalars("bench/tuned/arithmetic/accuracy")[0].value == pytest.approx(0.625)
+    assert events.Scalars("bench/base/arithmetic/accuracy")[0].value == 0.0
