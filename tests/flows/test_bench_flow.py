@@ -91,6 +91,9 @@ def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
     with RecordedTaskRuns() as runs:
         again = sft_bench(config=cfg, data=data, train=train)
     assert runs.states()["bench"] == ["Cached"] and again == report
+    with RecordedTaskRuns() as runs:
+        forced = sft_bench(config=cfg, data=data, train=train, force=True)
+    assert runs.states()["bench"] == ["Completed"] and forced.tasks == report.tasks
 
     choice.write_text(_lines({"question": "Capital of Peru?", "choices": ["Oslo", "Lima"], "answer": 1}))
     with RecordedTaskRuns() as runs:
