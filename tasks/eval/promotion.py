@@ -126,6 +126,11 @@ def promote(
     out_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(registry_root)
     sha = candidate.sha256 or sha256_tree(candidate.spec)
+    if bench is not None and bench.models.get("tuned") != sha:
+        raise ValueError(
+            f"{bench.path}: the benchmark scores are of another model than the candidate {candidate.spec}; run "
+            "sft-bench on it first"
+        )
     with registry.lock():
         champion = registry.champion()
         before = champion.name if champion else None
@@ -136,11 +141,6 @@ def promote(
             metrics = _compare(candidate, champion, index, tokenizer, eval_config)
             ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
             if bench is not None:
-                if bench.models.get("tuned") != sha:
-                    raise ValueError(
-                        f"{bench.path}: the benchmark scores are of another model than the candidate {candidate.spec}; "
-                        "run sft-bench on it first"
-                    )
                 bench_ok, bench_reasons = decide_bench(bench, config)
                 ok, reasons = ok and bench_ok, reasons + bench_reasons
         now = before

@@ -118,6 +118,9 @@ def test_the_demo_tasks_and_the_gate(setup):
     # No task fell below the base: the same model passes a regression rule (and, with no champion, is promoted).
     passed = sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=train, bench=report)
     assert passed.decision == "promoted", passed.reasons
+    # bench.json scores the step-0 model: a gate on another candidate is refused before it evaluates anything.
+    with pytest.raises(ValueError, match="benchmark scores are of another model than the candidate .*other"):
+        sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=_trained(work / "other"))
 
 
 def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
