@@ -333,6 +333,8 @@ def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None
         field = model.model_fields.get(name)
         if field is None:
             return None
+        if typing.get_origin(field.annotation) is list:
+            return None  # the items of a list (bench.tasks) have no dotted key of their own
         candidates = [field.annotation, *typing.get_args(field.annotation)]
         nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
         if not nested:

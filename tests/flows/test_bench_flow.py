@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from sftflow.flows.bench import sft_bench
-from sftflow.flows.config import SFTConfig, load_config
+from sftflow.flows.config import SFTConfig, keys_named, load_config
 from sftflow.flows.data import sft_data
 from sftflow.flows.promote import sft_promote
 from sftflow.tasks.core.manifests import TrainResult
@@ -156,6 +156,8 @@ def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
 def test_bench_rules_without_tasks_and_yaml_paths(tmp_path):
     with pytest.raises(ValueError, match="rules on benchmark scores need tasks"):
         SFTConfig.model_validate({"promote": {"bench_max_regression": 0.01}})
+    # An unknown CLI option is pointed at `--set KEY`; a task's fields, inside a list, have no such key.
+    assert keys_named("kind") == [] and keys_named("lm_eval_include") == ["bench.lm_eval_include"]
     (tmp_path / "tasks").mkdir()
     (tmp_path / "run.yaml").write_text("bench:\n  tasks:\n    - {name: t, path: tasks/t.jsonl, kind: choice}\n")
     cfg = load_config(tmp_path / "run.yaml")
