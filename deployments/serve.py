@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefect import serve
 
+from sftflow.flows.bench import sft_bench
 from sftflow.flows.check import sft_check
 from sftflow.flows.data import sft_data
 from sftflow.flows.eval import sft_eval
@@ -54,6 +55,9 @@ def deployments(config_path: str, refresh_cron: str = "0 3 * * *", refresh_then:
         sft_plan.to_deployment(name="rerun", parameters=params, description="Re-plan from the latest data result"),
         sft_train.to_deployment(name="rerun", parameters=params, description="Rerun (or resume) training alone"),
         sft_eval.to_deployment(name="rerun", parameters=params, description="Re-evaluate the latest trained model"),
+        sft_bench.to_deployment(
+            name="rerun", parameters=params, description="Re-score the latest trained model on the benchmark tasks"
+        ),
         sft.to_deployment(
             name="promote",
             parameters=params | {"promote": True},

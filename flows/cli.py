@@ -511,7 +511,7 @@ def run(
     learning_rate: Annotated[float | None, _option("train.lr", "--learning-rate")] = None,
     max_steps: Annotated[int | None, _option("train.max_steps")] = None,
     set: Assignments = None,
-    force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval")] = None,
+    force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval|bench")] = None,
     promote: Annotated[
         bool, typer.Option("--promote", help="end with the promotion gate (see `sftflow promote`)")
     ] = False,
@@ -612,8 +612,16 @@ def _final_report(result) -> str:
         em = "n/a" if m.exact_match is None else f"{m.exact_match:.1%}"
         ov = "n/a" if m.overlap is None else f"{m.overlap:.3f}"
         lines.append(f"  {name:<6} {m.loss:>8.4f} {m.perplexity:>8.2f} {m.token_accuracy:>8.1%} {em:>8} {ov:>8}")
+    if result.bench is not None:
+        lines.append("")
+        models = list(next(iter(result.bench.tasks.values())).scores)
+        lines.append(f"  {'bench':<12} {'metric':<12}" + "".join(f" {m:>8}" for m in models))
+        for name, task in result.bench.tasks.items():
+            lines.append(f"  {name:<12} {task.metric:<12}" + "".join(f" {task.scores[m]:>8.1%}" for m in models))
     lines.append("")
     lines.append(f"  report {result.eval.markdown_path}")
+    if result.bench is not None:
+        lines.append(f"  bench  {result.bench.markdown_path}")
     if result.promotion is not None:
         lines.append(f"  promote {result.promotion.decision}: champion {result.promotion.champion}")
     if result.eval.plot_path:

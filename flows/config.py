@@ -20,6 +20,7 @@ from sftflow.tasks.core.manifests import EvalConfig, PromoteConfig
 from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
+from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
 from sftflow.tasks.plan.config import PlanConfig, SourceShare
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions
@@ -152,6 +153,7 @@ class DemoConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     records: int = Field(4000, ge=10)
     seed: int = 0
+    bench: bool = Field(False, description="also benchmark base vs tuned on the demo's arithmetic and capitals tasks")
 
 
 class SFTConfig(BaseModel):
@@ -165,6 +167,7 @@ class SFTConfig(BaseModel):
     train: TrainOptions = TrainOptions()
     eval: EvalConfig = EvalConfig()
     promote: PromoteConfig = PromoteConfig()
+    bench: BenchConfig = BenchConfig()
     track: TrackConfig = TrackConfig()
     check: CheckConfig = CheckConfig()
 
@@ -193,6 +196,16 @@ class SFTConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _bench_rules_need_bench(self) -> SFTConfig:
+        if not self.promote.bench_rules:
+            return self
+        if not (self.bench.enabled or (self.demo is not None and self.demo.bench)):
+            raise ValueError("promote.bench_*: rules on benchmark scores need tasks; name them in bench.tasks")
+        if not self.bench.compare_base:
+            raise ValueError("promote.bench_*: the rules compare with the base model; set bench.compare_base: true")
+        return self
+
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A YAML run config as a mapping, its relative paths made relative to the file (not the working directory), so
@@ -219,6 +232,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     decontam = index.get("decontaminate") if isinstance(index, dict) else None
     if isinstance(decontam, dict) and isinstance(decontam.get("benchmarks"), list):
         decontam["benchmarks"] = [str(_relative_to(p, b)) if isinstance(b, str) else b for b in decontam["benchmarks"]]
+    bench = raw.get("bench") or {}
+    if isinstance(bench, dict) and isinstance(bench.get("tasks"), list):
+        bench["tasks"] = [_source_relative_to(p, t) for t in bench["tasks"]]
     render = data.get("render") if isinstance(data, dict) else None
     train = raw.get("train")
     for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):
@@ -325,6 +341,8 @@ def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None
         field = model.model_fields.get(name)
         if field is None:
             return None
+        if typing.get_origin(field.annotation) is list:
+            return None  # the items of a list (bench.tasks) have no dotted key of their own
         candidates = [field.annotation, *typing.get_args(field.annotation)]
         nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
         if not nested:
@@ -405,6 +423,18 @@ def data_config(cfg: SFTConfig) -> DataConfig:
     base = cfg.data.model_dump() if cfg.data else {"render": {"template": "chatml"}, "index": {"eval_fraction": 0.1}}
     base.update(sources=[str(paths["data"])], tokenizer=str(paths["tokenizer"]))
     return DataConfig.model_validate(base)
+
+
+def bench_config(cfg: SFTConfig) -> BenchConfig:
+    """The bench section; with `demo.bench`, the demo's own tasks too (written once beside its data)."""
+    if cfg.demo is None or not cfg.demo.bench:
+        return cfg.bench
+    from sftflow.tasks.demo import DEMO_BENCH, write_demo_bench
+
+    paths = write_demo_bench(Path(cfg.work_dir) / "demo" / "bench")
+    tasks = [BenchTask(path=str(paths[name]), **settings) for name, settings in DEMO_BENCH.items()]
+    # Validated again: a task of the user's may share a demo task's name.
+    return BenchConfig.model_validate({**cfg.bench.model_dump(), "tasks": [*tasks, *cfg.bench.tasks]})
 
 
 def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:

@@ -15,6 +15,18 @@ from sftflow.tasks.core.manifests import EvalReport, ModelRef, TrainResult
 from sftflow.tasks.eval.stage import eval_task
 
 
+def base_model(cfg: SFTConfig) -> ModelRef:
+    """The base model the tuned one is compared with: a folder with its hash, or a preset built with the training
+    seed (so it is the run's step-0 weights)."""
+    spec = cfg.train.model
+    return ModelRef(
+        spec=spec,
+        sha256=sha256_tree(spec) if Path(spec).exists() else None,
+        seed=cfg.train.seed,
+        overrides=cfg.train.model_overrides,
+    )
+
+
 @flow(name="sft-eval", log_prints=True)
 def sft_eval(
     config_path: str | None = None,
@@ -30,15 +42,7 @@ def sft_eval(
         data = data or load_data_result(work)
         train = train or load_train_result(work)
         tuned = trained_model(train)
-        base = None
-        if cfg.eval.compare_base:
-            spec = cfg.train.model
-            base = ModelRef(
-                spec=spec,
-                sha256=sha256_tree(spec) if Path(spec).exists() else None,
-                seed=cfg.train.seed,
-                overrides=cfg.train.model_overrides,
-            )
+        base = base_model(cfg) if cfg.eval.compare_base else None
         task = eval_task.with_options(refresh_cache=True) if force else eval_task
         report = task(
             tuned,

@@ -13,6 +13,7 @@ from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
 from sftflow.tasks.core.manifests import (
+    BenchReport,
     DatasetIndex,
     EvalConfig,
     ModelRef,
@@ -38,12 +39,13 @@ def promote_task(
     registry: str,
     out_dir: str,
     source: dict,
+    bench: BenchReport | None = None,
 ) -> PromoteResult:
     from prefect.artifacts import create_markdown_artifact
 
     from sftflow.tasks.eval.promotion import promote
 
-    result = promote(candidate, index, tokenizer, eval_config, config, registry, out_dir, source)
+    result = promote(candidate, index, tokenizer, eval_config, config, registry, out_dir, source, bench)
     create_markdown_artifact(
         Path(result.report_path).read_text(), key="sft-promote-report", description="new model vs the champion"
     )
@@ -56,14 +58,20 @@ def sft_promote(
     config: SFTConfig | None = None,
     data: DataResult | None = None,
     train: TrainResult | None = None,
+    bench: BenchReport | None = None,
 ) -> PromoteResult:
-    """Promote the latest trained model if it beats the champion. Inputs default to the work folder's latest results;
-    the registry is `promote.registry` (default `<work_dir>/registry`)."""
+    """Promote the latest trained model if it beats the champion. Inputs default to the work folder's latest results
+    (`bench`: read where the config has benchmark rules); the registry is `promote.registry` (default
+    `<work_dir>/registry`)."""
     cfg = resolve_config(config_path, config)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)
         train = train or load_train_result(work)
+        if bench is None and cfg.promote.bench_rules:
+            from sftflow.flows.bench import load_bench_result
+
+            bench = load_bench_result(work)
         result = promote_task(
             trained_model(train),
             data.index,
@@ -73,6 +81,7 @@ def sft_promote(
             str(registry_root(cfg)),
             str(work / "promote"),
             {"run_dir": train.run_dir, "steps": train.steps},
+            bench,
         )
         write_stage_result(work, "promote", result)
     logger = get_run_logger()

@@ -1,6 +1,6 @@
-"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-promote) (→ track), each stage also a flow of its
-own; `track` sends the finished run to the trackers the config names (its step metrics reach them while it trains,
-`sftflow.tasks.track.live`).
+"""The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-bench) (→ sft-promote) (→ track), each stage
+also a flow of its own; `track` sends the finished run to the trackers the config names (its step metrics reach
+them while it trains, `sftflow.tasks.track.live`). `sft-bench` runs where the config names benchmark tasks.
 
 Every stage is cached on content: a rerun with the same inputs is Cached end to end; editing the chat template
 reruns data and everything after it; changing only the learning rate reruns train and eval. `force` names stages to
@@ -14,7 +14,8 @@ from pathlib import Path
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from sftflow.flows.config import SFTConfig, resolve_config
+from sftflow.flows.bench import sft_bench
+from sftflow.flows.config import SFTConfig, bench_config, resolve_config
 from sftflow.flows.data import DataResult, sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
@@ -22,11 +23,11 @@ from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
-from sftflow.tasks.core.manifests import EvalReport, PlanManifest, PromoteResult, TrainResult
+from sftflow.tasks.core.manifests import BenchReport, EvalReport, PlanManifest, PromoteResult, TrainResult
 from sftflow.tasks.track.sinks import TrackedRun
 from sftflow.tasks.track.stage import track_task
 
-STAGES = ("data", "plan", "train", "eval")
+STAGES = ("data", "plan", "train", "eval", "bench")
 
 
 class SFTResult(BaseModel):
@@ -35,6 +36,7 @@ class SFTResult(BaseModel):
     plan: PlanManifest
     train: TrainResult
     eval: EvalReport
+    bench: BenchReport | None = None
     promotion: PromoteResult | None = None
     tracking: list[TrackedRun] = []
 
@@ -67,11 +69,18 @@ def sft(
         with progress_in_parent_log():
             trained = sft_train(config=cfg, force="train" in force, data=data, plan=plan, end_tracking=False)
         report = sft_eval(config=cfg, force="eval" in force, data=data, train=trained)
-        promotion = sft_promote(config=cfg, data=data, train=trained) if promote else None
+        bench = None
+        if bench_config(cfg).enabled:
+            bench = sft_bench(config=cfg, force="bench" in force, data=data, train=trained)
+        promotion = sft_promote(config=cfg, data=data, train=trained, bench=bench) if promote else None
         tracking = []
         if cfg.track.enabled:
-            tracking = track_task(cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir, promotion)
-    result = SFTResult(data=data, plan=plan, train=trained, eval=report, promotion=promotion, tracking=tracking)
+            tracking = track_task(
+                cfg.track, cfg.model_dump(mode="json"), trained, report, cfg.work_dir, promotion, bench
+            )
+    result = SFTResult(
+        data=data, plan=plan, train=trained, eval=report, bench=bench, promotion=promotion, tracking=tracking
+    )
     from prefect.artifacts import create_markdown_artifact
 
     # On the parent run, where a deployment's run page opens: the stage runs carry the details.
@@ -113,6 +122,10 @@ def summary_markdown(result: SFTResult) -> str:
         rows = source_rows(m, by=by)
         if rows:
             lines += ["", *rows]
+    if result.bench is not None:
+        from sftflow.tasks.eval.bench_stage import summary_rows
+
+        lines += ["", *summary_rows(result.bench)]
     plot = result.eval.plot_path
     if plot and Path(plot).is_file():
         image = base64.b64encode(Path(plot).read_bytes()).decode()

@@ -98,6 +98,34 @@ def make_conversations(n: int, seed: int = 0) -> list[dict]:
     return records
 
 
+# The demo's benchmark tasks: questions in the training data's own phrasing, so the tuned model can answer them.
+DEMO_BENCH = {
+    "arithmetic": {"name": "arithmetic", "kind": "generate", "answer_pattern": r"-?\d+", "max_new_tokens": 8},
+    "capitals": {"name": "capitals", "kind": "choice"},
+}
+
+
+def write_demo_bench(out_dir: str | Path, seed: int = 1) -> dict[str, Path]:
+    """`arithmetic.jsonl` (24 additions, answered by generation) and `capitals.jsonl` (each country of the table with
+    four capitals to choose from)."""
+    rng = random.Random(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = rng.sample([(a, b) for a in range(10) for b in range(10)], 24)
+    arithmetic = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
+    capitals = []
+    for country, capital in sorted(CAPITALS.items()):
+        choices = [capital, *rng.sample(sorted(set(CAPITALS.values()) - {capital}), 3)]
+        rng.shuffle(choices)
+        capitals.append({"question": f"Capital of {country}?", "choices": choices, "answer": choices.index(capital)})
+    paths = {}
+    for name, items in (("arithmetic", arithmetic), ("capitals", capitals)):
+        paths[name] = out / f"{name}.jsonl"
+        with atomic_writer(paths[name], "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(item, sort_keys=True) + "\n" for item in items)
+    return paths
+
+
 def write_demo(out_dir: str | Path, n: int = 4000, seed: int = 0, vocab_size: int = 384) -> dict[str, Path]:
     """Write `conversations.jsonl` and a `tokenizer/` folder trained on the rendered-ish text of the conversations."""
     out = Path(out_dir)

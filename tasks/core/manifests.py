@@ -186,6 +186,27 @@ class EvalReport(Manifest):
     eval_docs: int
 
 
+class BenchTaskScores(BaseModel):
+    """One benchmark task's score for each model evaluated (`base`, `tuned`), in [0, 1]."""
+
+    model_config = ConfigDict(frozen=True)
+    metric: str  # "exact_match" (generate) or "accuracy" (choice); an lm-eval task's own metric name
+    items: int
+    scores: dict[str, float]
+
+
+class BenchReport(Manifest):
+    """The `sft-bench` stage's result: `path` is its report.json."""
+
+    tasks: dict[str, BenchTaskScores]
+    models: dict[str, str | None]  # each model evaluated -> the sha256 of its files (None: a preset)
+    markdown_path: str
+    samples_path: str
+
+    def mean(self, model: str) -> float:
+        return sum(t.scores[model] for t in self.tasks.values()) / len(self.tasks)
+
+
 class HubTarget(BaseModel):
     """A Hugging Face Hub model repository the champion is pushed to after each gate (`promote.hub`)."""
 
@@ -233,7 +254,17 @@ class PromoteConfig(BaseModel):
     max_source_regression: float | None = Field(
         None, ge=0, description="largest relative loss increase allowed on any one data source (0.01: 1%)"
     )
+    bench_max_regression: float | None = Field(
+        None, ge=0, le=1, description="with bench: no task's score may fall below the base's by more (0.01: 1 point)"
+    )
+    bench_min_mean_gain: float | None = Field(
+        None, ge=-1, le=1, description="with bench: the mean score over the tasks must beat the base's by this much"
+    )
     hub: HubTarget | None = Field(None, description="also push the champion to this Hub model repository")
+
+    @property
+    def bench_rules(self) -> bool:
+        return self.bench_max_regression is not None or self.bench_min_mean_gain is not None
 
 
 class PromoteResult(BaseModel):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.manifests import (
+    BenchReport,
     DatasetIndex,
     EvalConfig,
     EvalMetrics,
@@ -56,6 +57,31 @@ def decide(candidate: EvalMetrics, champion: EvalMetrics | None, config: Promote
     return ok, reasons
 
 
+def decide_bench(bench: BenchReport, config: PromoteConfig) -> tuple[bool, list[str]]:
+    """The benchmark rules: no task's score below the base's by more than `bench_max_regression`, and the mean over
+    the tasks above the base's by at least `bench_min_mean_gain` (scores in [0, 1]: 0.01 is one point)."""
+    reasons, ok = [], True
+    if config.bench_max_regression is not None:
+        for name, task in bench.tasks.items():
+            tuned, base = task.scores["tuned"], task.scores["base"]
+            if tuned < base - config.bench_max_regression:
+                ok = False
+                reasons.append(
+                    f"bench {name}: {task.metric} {tuned:.1%} fell {100 * (base - tuned):.1f} points below the "
+                    f"base's {base:.1%} (at most {100 * config.bench_max_regression:.1f} allowed)"
+                )
+    if config.bench_min_mean_gain is not None:
+        tuned, base = bench.mean("tuned"), bench.mean("base")
+        gain = tuned - base
+        verdict = "meets" if gain >= config.bench_min_mean_gain else "misses"
+        ok = ok and gain >= config.bench_min_mean_gain
+        reasons.append(
+            f"bench mean {tuned:.1%} vs the base's {base:.1%}: {100 * gain:+.1f} points {verdict} the "
+            f"{100 * config.bench_min_mean_gain:+.1f} required"
+        )
+    return ok, reasons
+
+
 def report_markdown(result: PromoteResult, candidate: str, champion_before: str | None) -> str:
     rows = ["| model | loss | ppl | token acc | exact |", "|---|---|---|---|---|"]
     for name, m in result.metrics.items():
@@ -88,9 +114,11 @@ def promote(
     registry_root: str | Path,
     out_dir: str | Path,
     source: dict | None = None,
+    bench: BenchReport | None = None,
 ) -> PromoteResult:
-    """Compare `candidate` with the champion of the registry at `registry_root` and promote it if it wins. The
-    registry stays locked for the whole comparison, so two gates never both promote against the same champion."""
+    """Compare `candidate` with the champion of the registry at `registry_root` and promote it if it wins (and, given
+    the candidate's `bench` report, if it passes the benchmark rules). The registry stays locked for the whole
+    comparison, so two gates never both promote against the same champion."""
     from sftflow.tasks.core.fingerprint import sha256_tree
 
     index.verify()
@@ -98,6 +126,11 @@ def promote(
     out_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(registry_root)
     sha = candidate.sha256 or sha256_tree(candidate.spec)
+    if bench is not None and bench.models.get("tuned") != sha:
+        raise ValueError(
+            f"{bench.path}: the benchmark scores are of another model than the candidate {candidate.spec}; run "
+            "sft-bench on it first"
+        )
     with registry.lock():
         champion = registry.champion()
         before = champion.name if champion else None
@@ -107,6 +140,9 @@ def promote(
         else:
             metrics = _compare(candidate, champion, index, tokenizer, eval_config)
             ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
+            if bench is not None:
+                bench_ok, bench_reasons = decide_bench(bench, config)
+                ok, reasons = ok and bench_ok, reasons + bench_reasons
         now = before
         if ok:
             card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"].model_dump()}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sftflow.tasks.core.manifests import EvalMetrics
+from sftflow.tasks.core.manifests import BenchTaskScores, EvalMetrics
 
 _STEP_KEYS_SKIPPED = {"step", "epoch", "eta_s", "epoch_time_s"}  # the x-axis and forecasts
 
@@ -24,6 +24,7 @@ class RunRecord:
     model_dir: Path | None = None
     tags: dict[str, str] = field(default_factory=dict)  # links back: the Prefect flow run
     promoted_as: str | None = None  # the registry version the promotion gate made of this model, if it did
+    bench: dict[str, BenchTaskScores] = field(default_factory=dict)  # benchmark task -> each model's score
 
     def eval_scalars(self) -> dict[str, float]:
         """`eval/tuned/loss`, `eval/tuned/source/code/loss`, ... as flat scalars."""
@@ -37,6 +38,9 @@ class RunRecord:
                 for name, s in groups.items():
                     out[f"eval/{model}/{kind}/{safe_key(name)}/loss"] = s.loss
                     out[f"eval/{model}/{kind}/{safe_key(name)}/token_accuracy"] = s.token_accuracy
+        for task, scores in self.bench.items():
+            for model, value in scores.scores.items():
+                out[f"bench/{model}/{safe_key(task)}/{scores.metric}"] = value
         return out
 
     def eval_rows(self) -> list[dict[str, Any]]:

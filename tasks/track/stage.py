@@ -22,7 +22,7 @@ from prefect import task
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.fingerprint import sha256_json
 from sftflow.tasks.core.logs import stage_logger
-from sftflow.tasks.core.manifests import EvalReport, PromoteResult, TrainResult
+from sftflow.tasks.core.manifests import BenchReport, EvalReport, PromoteResult, TrainResult
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.track.live import LiveRun, read_live_runs, write_live_runs
 from sftflow.tasks.track.prefect_link import prefect_tags
@@ -38,6 +38,7 @@ def run_record(
     name: str,
     tags: dict[str, str],
     promotion: PromoteResult | None = None,
+    bench: BenchReport | None = None,
 ) -> RunRecord:
     images = [Path(p) for p in (report.plot_path, str(Path(report.path).parent / "source_loss.png")) if p]
     return RunRecord(
@@ -51,6 +52,7 @@ def run_record(
         tags=tags,
         # "unchanged": the candidate already is the champion, promoted by an earlier gate (perhaps untracked then).
         promoted_as=promotion.champion if promotion is not None and promotion.decision != "kept" else None,
+        bench=dict(bench.tasks) if bench is not None else {},
     )
 
 
@@ -123,17 +125,19 @@ def track_run(
     report: EvalReport,
     work_dir: str | Path,
     promotion: PromoteResult | None = None,
+    bench: BenchReport | None = None,
 ) -> list[TrackedRun]:
     work_dir = Path(work_dir)
     # Keyed by what is sent, not by where: turning another tracker on sends to that one alone.
-    key = sha256_json({"model": train.hf_sha256 or train.run_dir, "eval": report.sha256})[:24]
+    sent = {"model": train.hf_sha256 or train.run_dir, "eval": report.sha256}
+    key = sha256_json(sent if bench is None else {**sent, "bench": bench.sha256})[:24]
     out = work_dir / "track" / key
     state = out / "track.json"
     done = {}
     if state.is_file():
         done = {r["tracker"]: TrackedRun(**r) for r in json.loads(state.read_text())}
     name = f"sftflow-{Path(train.run_dir).name}-{key[:8]}"
-    record = run_record(run_config, train, report, name, prefect_tags(), promotion)
+    record = run_record(run_config, train, report, name, prefect_tags(), promotion, bench)
     live = read_live_runs(train.run_dir)
     tracked = send(record, config, work_dir, done, live)
     # A live run this send completed holds the whole training run now: a later send (another eval) is a run of its
@@ -163,10 +167,11 @@ def track_task(
     report: EvalReport,
     work_dir: str,
     promotion: PromoteResult | None = None,
+    bench: BenchReport | None = None,
 ) -> list[TrackedRun]:
     from prefect.artifacts import create_markdown_artifact
 
-    tracked = track_run(config, run_config, train, report, work_dir, promotion)
+    tracked = track_run(config, run_config, train, report, work_dir, promotion, bench)
     lines = ["# Tracked", ""]
     for t in tracked:
         where = f"[{t.url}]({t.url})" if t.url and t.url.startswith("http") else f"`{t.url}`"

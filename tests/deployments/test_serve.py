@@ -36,6 +36,7 @@ DEPLOYMENTS = (
     "sft-plan/rerun",
     "sft-train/rerun",
     "sft-eval/rerun",
+    "sft-bench/rerun",
     "sft/promote",
     "sft-promote/gate",
     "sft-refresh/chain",

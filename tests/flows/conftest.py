@@ -32,6 +32,7 @@ _STAGE_OF_TASK = {
     "_train_task_fn": "train",
     "eval_task": "evaluate",
     "promote_task": "promote",
+    "bench_task": "bench",
 }
 
 

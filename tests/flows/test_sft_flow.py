@@ -23,7 +23,7 @@ def _config(work_dir: Path, **train) -> SFTConfig:
     return SFTConfig.model_validate(
         {
             "work_dir": str(work_dir),
-            "demo": {"records": DEMO_RECORDS},
+            "demo": {"records": DEMO_RECORDS, "bench": True},
             "plan": {"tokens_per_rank": 512, "epochs": 1},
             "train": {
                 "model": str(work_dir / "base-model"),
@@ -66,6 +66,7 @@ def test_first_run_completes_every_stage(first_run):
         "plan": {"Completed"},
         "train": {"Completed"},
         "evaluate": {"Completed"},
+        "bench": {"Completed"},
         "promote": {"Completed"},
     }
     result = state.result()
@@ -141,7 +142,7 @@ def test_force_recomputes_the_named_stage_only(first_run):
     states = runs.states()
     assert states["plan"] == ["Completed"]
     # The recomputed plan is byte-identical, so nothing after it has new inputs.
-    for stage in ("render", "spans", "pbin", "index", "train", "evaluate"):
+    for stage in ("render", "spans", "pbin", "index", "train", "evaluate", "bench"):
         assert states[stage] == ["Cached"], (stage, states)
     assert state.result().plan == first.result().plan
 
@@ -166,6 +167,8 @@ def test_the_parent_run_carries_the_summary(first_run):
     assert "| tuned |" in summary and "| base |" in summary
     assert "![loss curve](data:image/png;base64," in summary
     assert "Promotion: **promoted**, champion `v0001`" in summary
+    # The demo's benchmark tasks ran as a stage of the pipeline: their table is in the summary too.
+    assert "| arithmetic | exact_match | 24 |" in summary and "| capitals | accuracy | 12 |" in summary
 
 
 def test_training_progress_reaches_prefect_at_a_bounded_rate(first_run):

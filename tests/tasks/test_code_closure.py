@@ -7,11 +7,15 @@ import pytest
 from sftflow.tasks.core import caching, code_closure
 from sftflow.tasks.core.code_closure import code_fingerprint, import_closure, imported_modules, module_source
 from sftflow.tasks.data.stage import INDEX_CACHE, PBIN_CACHE, RENDER_CACHE, SPANS_CACHE
+from sftflow.tasks.eval.bench_stage import BENCH_CACHE
 from sftflow.tasks.eval.stage import EVAL_CACHE
 from sftflow.tasks.plan.stage import PLAN_CACHE
 from sftflow.tasks.train.stage import TRAIN_CACHE
 
-STAGES = {c.stage: c for c in (RENDER_CACHE, SPANS_CACHE, PBIN_CACHE, INDEX_CACHE, PLAN_CACHE, TRAIN_CACHE, EVAL_CACHE)}
+STAGES = {
+    c.stage: c
+    for c in (RENDER_CACHE, SPANS_CACHE, PBIN_CACHE, INDEX_CACHE, PLAN_CACHE, TRAIN_CACHE, EVAL_CACHE, BENCH_CACHE)
+}
 
 
 def test_closures_hold_what_each_stage_runs():
@@ -24,6 +28,10 @@ def test_closures_hold_what_each_stage_runs():
     evaluate = set(import_closure(EVAL_CACHE.entries))
     assert {"sftflow.tasks.train.model", "sftflow.tasks.tiny", "sftflow.kernels.attention"} <= evaluate
     assert "sftflow.tasks.data.render" in set(import_closure(SPANS_CACHE.entries))
+    # The scoring, the task files' reader, the lm-eval runner (imported where it runs) and the model loading.
+    bench = set(import_closure(BENCH_CACHE.entries))
+    expected = ("bench", "bench_items", "bench_lm_eval", "evaluate", "stage")
+    assert {f"sftflow.tasks.eval.{name}" for name in expected} | {"sftflow.tasks.train.model"} <= bench
     # Nothing of training or evaluation is data preparation's code.
     render = import_closure(RENDER_CACHE.entries)
     assert not any(m.startswith(("sftflow.tasks.train", "sftflow.kernels")) for m in render)

@@ -1,0 +1,166 @@
+"""`sft-bench` on Prefect's real engine: the demo's tasks and a task file of the user's score the tuned model and the
+base side by side, a rerun is Cached, an edited task file reruns the stage, and the promotion gate reads the scores.
+
+The "tuned" model is the base preset's own step-0 weights saved as a folder, so the two score alike and a rule
+asking for a gain refuses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from sftflow.flows.bench import sft_bench
+from sftflow.flows.config import SFTConfig, keys_named, load_config
+from sftflow.flows.data import sft_data
+from sftflow.flows.promote import sft_promote
+from sftflow.tasks.core.manifests import TrainResult
+from tests.flows.conftest import RecordedTaskRuns
+
+RECORDS = 40
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+def _config(work: Path, tasks: list | None = None, demo_bench: bool = True, **promote) -> SFTConfig:
+    return SFTConfig.model_validate(
+        {
+            "work_dir": str(work),
+            "demo": {"records": RECORDS, "bench": demo_bench},
+            "train": {"model": "tiny-llama", "model_overrides": TINY},
+            "eval": {"max_docs": 4, "max_generations": 1},
+            "bench": {"tasks": tasks or []},
+            "promote": {"registry": str(work / f"registry-{len(promote)}"), **promote},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from sftflow.tasks.data.index import load_index
+    from sftflow.tasks.train.model import build_model
+
+    work = tmp_path_factory.mktemp("bench")
+    cfg = _config(work)
+    data = sft_data(config=cfg)
+    torch.manual_seed(cfg.train.seed)  # as the base preset is built: the same weights
+    vocab = load_index(data.index.dir).meta["vocab_size"]
+    build_model("tiny-llama", vocab_size=vocab, packed=False, overrides=TINY).save_pretrained(work / "step0")
+    torch.manual_seed(1)
+    build_model("tiny-llama", vocab_size=vocab, packed=False, overrides=TINY).save_pretrained(work / "other")
+    return work, data, _trained(work / "step0")
+
+
+def _trained(folder: Path) -> TrainResult:
+    return TrainResult(
+        run_dir=str(folder), steps=0, final_loss=None, trained_tokens=0, metrics_path="", checkpoint=None,
+        hf_dir=str(folder),
+    )  # fmt: skip
+
+
+def _lines(*items: dict) -> str:
+    return "".join(json.dumps(item) + "\n" for item in items)
+
+
+def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
+    work, data, train = setup
+    choice, generate = tmp_path / "choice.jsonl", tmp_path / "generate.jsonl"
+    choice.write_text(_lines({"question": "Capital of Peru?", "choices": ["Lima", "Oslo"], "answer": 0}))
+    generate.write_text(_lines({"question": "What is 1 + 2?", "answer": "so #### 3"}))
+    tasks = [
+        {"name": "mine", "path": str(choice), "kind": "choice"},
+        {
+            "name": "sums",
+            "path": str(generate),
+            "kind": "generate",
+            "reference_pattern": "#### (.+)",
+            "max_new_tokens": 2,
+        },
+    ]
+    cfg = _config(work, tasks=tasks, demo_bench=False)
+
+    with RecordedTaskRuns() as runs:
+        report = sft_bench(config=cfg, data=data, train=train)
+    assert runs.states()["bench"] == ["Completed"]
+    assert list(report.tasks) == ["mine", "sums"] and set(report.models) == {"base", "tuned"}
+    samples = [json.loads(line) for line in Path(report.samples_path).read_text().splitlines()]
+    assert [s["reference"] for s in samples] == ["Lima", "so #### 3"]
+
+    with RecordedTaskRuns() as runs:
+        again = sft_bench(config=cfg, data=data, train=train)
+    assert runs.states()["bench"] == ["Cached"] and again == report
+    with RecordedTaskRuns() as runs:
+        forced = sft_bench(config=cfg, data=data, train=train, force=True)
+    assert runs.states()["bench"] == ["Completed"] and forced.tasks == report.tasks
+
+    choice.write_text(_lines({"question": "Capital of Peru?", "choices": ["Oslo", "Lima"], "answer": 1}))
+    with RecordedTaskRuns() as runs:
+        edited = sft_bench(config=cfg, data=data, train=train)
+    assert runs.states()["bench"] == ["Completed"] and edited.path != report.path
+
+
+def test_the_demo_tasks_and_the_gate(setup):
+    work, data, train = setup
+    report = sft_bench(config=_config(work), data=data, train=train)
+    assert report.tasks["arithmetic"].metric == "exact_match" and report.tasks["arithmetic"].items == 24
+    assert report.tasks["capitals"].metric == "accuracy" and report.tasks["capitals"].items == 12
+    for scores in report.tasks.values():
+        assert scores.scores["base"] == scores.scores["tuned"]  # the same weights
+    assert json.loads((work / "bench.json").read_text())["sha256"] == report.sha256  # what the gate reads
+    markdown = Path(report.markdown_path).read_text()
+    assert "| arithmetic | exact_match | 24 |" in markdown and "<|im_start|>user\nWhat is" in markdown
+
+    refused = sft_promote(config=_config(work, bench_min_mean_gain=0.05), data=data, train=train)
+    assert refused.decision == "kept" and refused.champion is None
+    assert any("misses the +5.0 required" in r for r in refused.reasons), refused.reasons
+    # No task fell below the base: the same model passes a regression rule (and, with no champion, is promoted).
+    passed = sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=train, bench=report)
+    assert passed.decision == "promoted", passed.reasons
+    # bench.json scores the step-0 model: a gate on another candidate is refused before it evaluates anything.
+    with pytest.raises(ValueError, match="benchmark scores are of another model than the candidate .*other"):
+        sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=_trained(work / "other"))
+
+
+def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
+    """Items whose right answer is the base's own pick: the base scores 100%, another model (other weights) less.
+    The choices are one token each: a random model's log-likelihoods otherwise mostly count a choice's tokens, so
+    any two would pick the shortest alike."""
+    from sftflow.flows.eval import base_model
+    from sftflow.tasks.eval.bench import choice_loglikelihoods, encode
+    from sftflow.tasks.eval.stage import load_model
+
+    work, data, _ = setup
+    questions = ["What is 1 + 2?", "Capital of Peru?", "Reverse abc", "What is 5 + 3?", "Capital of Cuba?"]
+    choices = ["1", "2", "3", "4", "5", "6", "7", "8"]
+    tokenizer = AutoTokenizer.from_pretrained(data.tokenizer.path)
+    assert all(len(encode(tokenizer, c)) == 1 for c in choices)
+    base = load_model(base_model(_config(work)), len(tokenizer))
+    items = []
+    for q in questions:
+        loglik = choice_loglikelihoods(base, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
+        items.append({"question": q, "choices": choices, "answer": max(range(8), key=loglik.__getitem__)})
+    (tmp_path / "picks.jsonl").write_text(_lines(*items))
+    task = {"name": "picks", "path": str(tmp_path / "picks.jsonl"), "kind": "choice", "chat": False}
+    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1)
+
+    report = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
+    assert report.tasks["picks"].scores["base"] == 1.0
+    assert report.tasks["picks"].scores["tuned"] < 0.9, "the other weights happen to pick as the base does"
+    refused = sft_promote(config=cfg, data=data, train=_trained(work / "other"))
+    assert refused.decision == "kept"
+    assert any(r.startswith("bench picks: accuracy") and "below the base's 100.0%" in r for r in refused.reasons)
+
+
+def test_bench_rules_without_tasks_and_yaml_paths(tmp_path):
+    with pytest.raises(ValueError, match="rules on benchmark scores need tasks"):
+        SFTConfig.model_validate({"promote": {"bench_max_regression": 0.01}})
+    # An unknown CLI option is pointed at `--set KEY`; a task's fields, inside a list, have no such key.
+    assert keys_named("kind") == [] and keys_named("lm_eval_include") == ["bench.lm_eval_include"]
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "run.yaml").write_text("bench:\n  tasks:\n    - {name: t, path: tasks/t.jsonl, kind: choice}\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.bench.tasks[0].path == str(tmp_path / "tasks" / "t.jsonl")  # relative to the config file
+    with pytest.raises(ValueError, match="bench task t: file .*t.jsonl does not exist"):
+        sft_bench(config=cfg)
