@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from sftflow.flows.config import SFTConfig, plan_config, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
-from sftflow.tasks.core.manifests import PlanManifest
+from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.plan.stage import plan_task
 
 

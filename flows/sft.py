@@ -23,7 +23,8 @@ from sftflow.flows.promote import sft_promote
 from sftflow.flows.results import work_dir_lock
 from sftflow.flows.run_page import loss_curve_artifact, progress_in_parent_log, stage_links_markdown
 from sftflow.flows.train import sft_train
-from sftflow.tasks.core.manifests import BenchReport, EvalReport, PlanManifest, PromoteResult, TrainResult
+from sftflow.tasks.core.manifests import BenchReport, EvalReport, PromoteResult, TrainResult
+from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.track.sinks import TrackedRun
 from sftflow.tasks.track.stage import track_task
 

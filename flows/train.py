@@ -13,7 +13,8 @@ from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.flows.run_page import record_cancelled_tasks
 from sftflow.tasks.core.fingerprint import sha256_tree
-from sftflow.tasks.core.manifests import ModelRef, PlanManifest, TrainResult
+from sftflow.tasks.core.manifests import ModelRef, TrainResult
+from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.track.live import live_tracker
 from sftflow.tasks.train.stage import train_stage_task
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sftflow.tasks.core.fingerprint import sha256_file
-from sftflow.tasks.plan.config import PlanConfig, PlanStats
 
 
 class Manifest(BaseModel):
@@ -105,18 +104,6 @@ class DatasetIndex(Manifest):
     @property
     def dir(self) -> Path:
         """The index folder: `index.json` and its arrays."""
-        return Path(self.path).parent
-
-
-class PlanManifest(Manifest):
-    """`plan.npz` (see `sftflow.tasks.plan.planner`), planned from the index with this sha256."""
-
-    index_sha256: str
-    config: PlanConfig
-    stats: PlanStats
-
-    @property
-    def dir(self) -> Path:
         return Path(self.path).parent
 
 

@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from sftflow.tasks.data.chat_template import ChatTemplate
 from sftflow.tasks.eval.bench_config import BenchTask, BenchTaskFile
 from sftflow.tasks.eval.bench_items import BenchItem, read_items, render_prompt, split_items
+from sftflow.tasks.eval.bench_result import TaskResult
 from sftflow.tasks.eval.evaluate import greedy_answers
 
 METRIC = {"generate": "exact_match", "choice": "accuracy"}
-
-
-@dataclass
-class TaskResult:
-    name: str
-    kind: str
-    metric: str
-    scores: dict[str, float]  # model name -> score in [0, 1]
-    items: int
-    prompt_example: str = ""  # the first scored item's prompt, few-shot examples and template included
-    samples: list[dict] = field(default_factory=list)  # per item: line, reference, each model's answer and verdict
 
 
 def extract(text: str, pattern: str | None) -> str | None:

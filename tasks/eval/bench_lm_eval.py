@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from sftflow.tasks.eval.bench import TaskResult
+from sftflow.tasks.eval.bench_result import TaskResult
 
 # The metric reported for a task, the first of these it has; else its first numeric metric.
 PREFERRED = ("exact_match,strict-match", "exact_match,flexible-extract", "exact_match,none", "acc,none")

@@ -14,8 +14,9 @@ from sftflow.tasks.core.caching import StageCache, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file
 from sftflow.tasks.core.manifests import BenchReport, BenchTaskScores, ModelRef, TokenizerRef
 from sftflow.tasks.core.stage import stage_task
-from sftflow.tasks.eval.bench import TaskResult, run_bench
+from sftflow.tasks.eval.bench import run_bench
 from sftflow.tasks.eval.bench_config import BenchTaskFile, LmEvalTasks
+from sftflow.tasks.eval.bench_result import TaskResult
 
 
 def bench_run(

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from sftflow.tasks.core.caching import StageCache, retry_on_io_error
 from sftflow.tasks.core.fingerprint import sha256_file
-from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest
+from sftflow.tasks.core.manifests import DatasetIndex
 from sftflow.tasks.core.stage import stage_task
+from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.plan.plan_files import plan_from_index
 from sftflow.tasks.plan.planner import PLAN_FORMAT_VERSION, PlanConfig
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from prefect import task
 
 from sftflow.tasks.core.caching import StageCache, retry_unless_bad_input
-from sftflow.tasks.core.manifests import DatasetIndex, PlanManifest, TokenizerRef, TrainResult
+from sftflow.tasks.core.manifests import DatasetIndex, TokenizerRef, TrainResult
 from sftflow.tasks.core.stage import stage_task
+from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.train.checkpoint import latest_checkpoint
 from sftflow.tasks.train.config import TrainConfig, TrainOptions
 from sftflow.tasks.train.launch import LiveMetrics, train
