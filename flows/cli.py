@@ -203,8 +203,10 @@ def _notice(message: str) -> None:
 @contextmanager
 def _flow_session(work_dir: str | Path):
     """What a command that runs flows holds while they run: the work folder's lock (taken first, so a busy folder is
-    refused at once, without a Prefect API), the Prefect API (`sftflow.flows.local_api`), and a log of the runs in
-    the work folder that keeps tracebacks off the terminal (`sftflow.flows.console`)."""
+    refused at once, without a Prefect API), the Prefect API (`sftflow.flows.local_api`) and a watch that ends the
+    command if that API goes away (`sftflow.flows.api_watch`), and a log of the runs in the work folder that keeps
+    tracebacks off the terminal (`sftflow.flows.console`)."""
+    from sftflow.flows.api_watch import api_watched
     from sftflow.flows.console import logged_to
     from sftflow.flows.local_api import prefect_api
     from sftflow.flows.results import work_dir_lock
@@ -212,7 +214,7 @@ def _flow_session(work_dir: str | Path):
     work = Path(work_dir).resolve()
     # Where the files go, links and `..` resolved: a relative or linked work_dir may lie outside the project.
     _notice(f"work dir: {work}")
-    with work_dir_lock(work), prefect_api(notice=_notice), logged_to(work):
+    with work_dir_lock(work), prefect_api(notice=_notice) as api, api_watched(api), logged_to(work):
         yield
 
 

@@ -5,22 +5,30 @@ A stage flow run alone (a deployment rerun) reads its inputs from here, so it ne
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel
 
+from sftflow.flows.served_process import guard_runner_child
 from sftflow.tasks.core.atomic import write_atomic
 from sftflow.tasks.core.locks import exclusive
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def work_dir_lock(work_dir: str | Path, node_rank: int = 0):
+@contextmanager
+def work_dir_lock(work_dir: str | Path, node_rank: int = 0) -> Iterator[None]:
     """Held by every flow while it writes into `work_dir`: a second run on the same folder is refused with the
-    holder's PID and host (`sftflow.tasks.core.locks`). The nodes of one multi-node training run each hold their own."""
+    holder's PID and host (`sftflow.tasks.core.locks`). The nodes of one multi-node training run each hold their own.
+    A flow run process that a Prefect runner started ends, and lets go, with that runner and with its API
+    (`sftflow.flows.served_process`)."""
     name = ".sftflow.lock" if node_rank == 0 else f".sftflow-node{node_rank}.lock"
-    return exclusive(Path(work_dir) / name, f"work_dir {work_dir}")
+    with exclusive(Path(work_dir) / name, f"work_dir {work_dir}"):
+        guard_runner_child()
+        yield
 
 
 def write_stage_result(work_dir: str | Path, stage: str, manifest: BaseModel) -> Path:

@@ -165,6 +165,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+_RUNNING: set[subprocess.Popen] = set()  # the torchrun process groups this process supervises now
+
+
+def stop_running_training() -> None:
+    """Kill every torchrun process group this process supervises (from any thread): for a process about to end at
+    once, whose supervising threads will run no `finally`."""
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+
+
 class _Terminated(BaseException):
     """SIGTERM reached a launcher that had no handler of its own for it (a plain process, not a Prefect run)."""
 
@@ -175,6 +185,7 @@ def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, o
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
     )
+    _RUNNING.add(proc)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump():
@@ -212,6 +223,7 @@ def run_streaming(cmd: list[str], env: dict, timeout_s: float | None, on_line, o
         return proc.wait()
     finally:
         _kill_group(proc)
+        _RUNNING.discard(proc)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

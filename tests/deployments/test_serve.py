@@ -9,6 +9,7 @@ seconds of start-up on a small machine.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -312,10 +313,23 @@ def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
     assert len(re.findall(r"Flow run '[^']*' - Flow run was cancelled\.", log)) == 2, log[-4000:]
     assert not re.search(r"Flow run '[^']*' - (Crash detected|Finished in state Crashed)", log), log[-4000:]
     assert "_Terminated" not in log and "_Cancelled" not in log, log[-4000:]
+    assert "Finished in state Running()" not in log, log[-4000:]
     watched = "".join(lines)
     assert "Cancelled" in watched and "Crashed" not in watched, watched[-4000:]
-    # No training worker of this run outlived it: the launcher killed torchrun's process group.
+    # No training worker of this run outlived it: the launcher killed torchrun's process group; and the flow run's
+    # process let go of the work folder.
     _wait(lambda: not _workers_under(served.work), 30, "the training workers to exit")
+    _wait(lambda: lock_free(served.work), 30, "the work folder's lock to be released")
+
+
+def lock_free(work: Path) -> bool:
+    """Whether no process holds the work folder's lock (`sftflow.flows.results.work_dir_lock`)."""
+    with open(work / ".sftflow.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
 
 def _workers_under(work: Path) -> list[str]:
