@@ -22,18 +22,20 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_VAR = "SFTFLOW_LAUNCHER_PID"  # set by the launcher for torchrun
+TORCHRUN_PID_VAR = "SFTFLOW_TORCHRUN_PID"  # set by torchrun's entry point for the workers
 WRITERS_VAR = "SFTFLOW_RUN_WRITERS"  # the writers file the workers hold
 
 
 def die_with_parent(expected_parent: int | None = None) -> bool:
     """Ask for SIGKILL when the parent process dies (Linux; elsewhere a no-op that returns False). If the parent is
-    already gone (not `expected_parent`, or adopted by init), exit at once: no signal would ever come."""
+    already gone, exit at once: no signal would ever come. Gone means not `expected_parent` where the parent said who
+    it is (a launcher that is a container's first process has PID 1), else adopted by init."""
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return False
     parent = os.getppid()
-    if parent == 1 or (expected_parent is not None and parent != expected_parent):
+    if parent != expected_parent if expected_parent is not None else parent == 1:
         os._exit(1)
     return True

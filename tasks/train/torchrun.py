@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import sys
 
-from sftflow.tasks.train.lifetime import LAUNCHER_PID_VAR, die_with_parent
+from sftflow.tasks.train.lifetime import LAUNCHER_PID_VAR, TORCHRUN_PID_VAR, die_with_parent
 
 
 def main() -> None:
     launcher = os.environ.get(LAUNCHER_PID_VAR)
     die_with_parent(int(launcher) if launcher else None)
+    os.environ[TORCHRUN_PID_VAR] = str(os.getpid())  # the workers' parent, for their own check
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = ["torchrun", *sys.argv[1:]]

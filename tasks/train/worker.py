@@ -62,7 +62,7 @@ from sftflow.tasks.train.data import (
 from sftflow.tasks.train.export import export_streamed, tokenizer_source
 from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
 from sftflow.tasks.train.host_moments import describe_units
-from sftflow.tasks.train.lifetime import WRITERS_VAR, die_with_parent
+from sftflow.tasks.train.lifetime import TORCHRUN_PID_VAR, WRITERS_VAR, die_with_parent
 from sftflow.tasks.train.lora import (
     apply_lora,
     compute_adapters_in_autocast,
@@ -719,7 +719,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(argv[0])
     # Die with torchrun, and hold the run's writers lock while alive: no worker outlives its launcher's run, and no
     # new launch starts while one does (`sftflow.tasks.train.lifetime`).
-    die_with_parent()
+    torchrun_pid = os.environ.get(TORCHRUN_PID_VAR)
+    die_with_parent(int(torchrun_pid) if torchrun_pid else None)
     if os.environ.get(WRITERS_VAR):
         hold_as_writer(os.environ[WRITERS_VAR])
     try:
