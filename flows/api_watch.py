@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from sftflow.flows.local_api import seconds_from_env
+
 LOST_TIMEOUT_ENV = "SFTFLOW_API_LOST_TIMEOUT"
 DEFAULT_LOST_TIMEOUT_S = 10.0
 _PROBE_EVERY_S = 1.0
@@ -29,16 +31,7 @@ _PROBE_TIMEOUT_S = 5.0
 
 
 def lost_timeout_s() -> float:
-    raw = os.environ.get(LOST_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_LOST_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{LOST_TIMEOUT_ENV}={raw!r}: expected a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{LOST_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return seconds_from_env(LOST_TIMEOUT_ENV, DEFAULT_LOST_TIMEOUT_S, error=ValueError)
 
 
 def probe(url: str) -> str | None:

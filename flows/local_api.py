@@ -58,16 +58,18 @@ def state_dir(prefect_home: Path) -> Path:
     return prefect_home / "sftflow-api"
 
 
-def _seconds_from_env(name: str, default: float) -> float:
+def seconds_from_env(name: str, default: float, error: type[Exception] = LocalAPIError) -> float:
+    """A positive number of seconds from environment variable `name`, `default` where it is unset; `error` names a
+    bad value."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise LocalAPIError(f"{name}={raw!r}: expected a number of seconds") from None
+        raise error(f"{name}={raw!r}: expected a number of seconds") from None
     if value <= 0:
-        raise LocalAPIError(f"{name}={raw!r}: expected a positive number of seconds")
+        raise error(f"{name}={raw!r}: expected a positive number of seconds")
     return value
 
 
@@ -124,7 +126,7 @@ def _start(folder: Path, prefect_version: str, timeout_s: float, notice) -> Serv
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     log_path = folder / "server.log"
-    idle_s = _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT_S)
+    idle_s = seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT_S)
     command = [sys.executable, "-m", "sftflow.flows.local_api", str(port), str(idle_s)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     with open(log_path, "ab") as log:
@@ -171,7 +173,7 @@ def ensure_server(prefect_home: Path, prefect_version: str, notice=lambda messag
     record = _running(folder, prefect_version)
     if record is not None:
         return record, False
-    timeout_s = _seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S)
+    timeout_s = seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S)
     with open(folder / "start.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = _running(folder, prefect_version)  # another command may have started it while we waited
