@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sftflow.tasks.train.checkpoint import LATEST
@@ -139,6 +139,19 @@ def launch_and_kill(config: TrainConfig, timeout_s: float = 600.0) -> Kill:
         raise TrainingFailed(f"check: the run to kill stopped (code {proc.returncode}) before any checkpoint:\n{tail}")
     landed = proc.returncode == -signal.SIGKILL and latest < (config.max_steps or sys.maxsize)
     return Kill(landed=landed, pids=tuple(tree), logged_steps=_logged_steps(metrics), latest=latest)
+
+
+def kill_after_a_checkpoint(config: TrainConfig, tries: int = 2) -> Kill:
+    """`launch_and_kill` into a fresh `config.out`, again while the run ends before the kill lands, `tries` times in
+    all; the last `Kill` (landed or not) says how many it took."""
+    import shutil
+
+    for attempt in range(1, tries + 1):
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+        kill = replace(launch_and_kill(config), attempts=attempt)
+        if kill.landed:
+            break
+    return kill
 
 
 def main(argv: list[str]) -> None:

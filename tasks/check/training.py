@@ -7,7 +7,7 @@
 
 - `2 ranks = 1 rank`: the two runs' step losses and final weights (relative L2 over all of them) agree within
   `check.ranks_rtol` (data parallelism and gradient accumulation sum in different orders, so not to the bit).
-- `kill + resume = uninterrupted`: the killed run (`kill.launch_and_kill`), resumed the normal way from the
+- `kill + resume = uninterrupted`: the killed run (`kill.kill_after_a_checkpoint`), resumed the normal way from the
   checkpoint its `latest` names, has from there on the very losses and final weights of "two-ranks", bit for bit. A
   run that ends before the kill reaches it is started again once; twice, and the row fails saying so.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sftflow.tasks.check.kill import Kill, launch_and_kill
+from sftflow.tasks.check.kill import Kill, kill_after_a_checkpoint
 from sftflow.tasks.check.results import CheckRow
 from sftflow.tasks.data.index import build_index
 from sftflow.tasks.data.pbin import write_pbin
@@ -111,11 +111,7 @@ def run_training_checks(
         train(TrainConfig(**(fields | dict(nproc=nproc, out=str(folder / name)))))
         records[name] = _record(folder / name, steps)
     killed = TrainConfig(**(fields | dict(nproc=2, out=str(folder / "killed"))))
-    for attempt in (1, 2):
-        shutil.rmtree(killed.run_dir, ignore_errors=True)
-        kill = replace(launch_and_kill(killed), attempts=attempt)
-        if kill.landed:
-            break
+    kill = kill_after_a_checkpoint(killed)
     if kill.landed:
         train(killed, resume=True)  # the normal resume: from the checkpoint `latest` names
         records["resumed"] = replace(_record(killed.run_dir, steps), kill=kill)

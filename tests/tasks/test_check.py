@@ -276,31 +276,51 @@ def test_the_kill_lands_between_the_first_checkpoint_and_the_end_and_the_resume_
     tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, caplog
 ):
     """The real launcher SIGKILLed with torchrun and both workers: none of them is left, the killed run's metrics stop
-    before its last step, and the normal resume starts from the step-1 checkpoint and trains to the end."""
-    from sftflow.tasks.check.kill import launch_and_kill
-    from sftflow.tasks.check.training import sample_plan
+    before its last step, and the normal resume starts from the checkpoint `latest` named and trains to the end."""
+    from sftflow.tasks.check.kill import kill_after_a_checkpoint
     from sftflow.tasks.core.locks import process_alive
-    from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import train
 
-    docs, _ = _docs(tiny_tokenizer, source)
-    model = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "model")
-    index, plan = sample_plan([d.trained for d in docs], len(tiny_tokenizer), tmp_path / "data", 3, seed=0)
-    config = TrainConfig(
-        model=str(model), data=str(index), plan=str(plan), tokenizer=str(tiny_tokenizer_dir), out=str(tmp_path / "run"),
-        nproc=2, max_steps=3, checkpoint_every=1, keep_last=4, export=False, device="cpu", dtype="fp32",
-        compile="off", parallel="fsdp", num_threads=1, lr=1e-3, warmup_steps=0,
-    )  # fmt: skip
-    kill = launch_and_kill(config)
-    assert kill.landed and kill.latest == 1, kill
+    config = _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=3)
+    kill = kill_after_a_checkpoint(config)  # lands after the first checkpoint found, in all but a starved run
+    assert kill.landed and 1 <= kill.latest < 3, kill
     assert kill.processes >= 4  # the launcher, torchrun, 2 workers
     assert kill.logged_steps[0] == 1 and max(kill.logged_steps) < 3
     with caplog.at_level(logging.INFO, logger="sftflow.train"):
         train(config, resume=True)  # waits for the killed workers' lock on the run to go
     assert not [pid for pid in kill.pids if process_alive(pid) and not _zombie(pid)]
-    assert "resumed all components from" in caplog.text and "step-1" in caplog.text
+    assert f"resumed all components from {tmp_path / 'run' / 'checkpoints' / f'step-{kill.latest}'}" in caplog.text
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_run_whose_only_checkpoint_is_its_last_is_never_counted_as_killed(
+    tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir
+):
+    """Nothing left to resume after the kill: not landed, tried twice, each time from an empty folder."""
+    from sftflow.tasks.check.kill import kill_after_a_checkpoint
+
+    config = _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=2, checkpoint_every=100)
+    kill = kill_after_a_checkpoint(config)
+    assert not kill.landed and kill.attempts == 2 and kill.latest == 2, kill
+    assert kill.logged_steps == (1, 2)
+
+
+def _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, **fields):
+    """The 2-process CPU run the kill checks launch, on the sample planned for 3 steps."""
+    from sftflow.tasks.check.training import sample_plan
+    from sftflow.tasks.train.config import TrainConfig
+
+    docs, _ = _docs(tiny_tokenizer, source)
+    model = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "model")
+    index, plan = sample_plan([d.trained for d in docs], len(tiny_tokenizer), tmp_path / "data", 3, seed=0)
+    fields = dict(
+        model=str(model), data=str(index), plan=str(plan), tokenizer=str(tiny_tokenizer_dir), out=str(tmp_path / "run"),
+        nproc=2, checkpoint_every=1, keep_last=4, export=False, device="cpu", dtype="fp32", compile="off",
+        parallel="fsdp", num_threads=1, lr=1e-3, warmup_steps=0,
+    ) | fields  # fmt: skip
+    return TrainConfig(**fields)
 
 
 def _zombie(pid: int) -> bool:
