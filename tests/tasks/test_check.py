@@ -238,7 +238,8 @@ def test_real_tokenizers_ids_and_masks_equal_hf(shared_data, tmp_path):
 
 @pytest.mark.slow
 def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir):
-    """Three torchrun launches (2 ranks, 1 rank, resumed from step 1) of two steps on the sample."""
+    """Four torchrun launches (2 ranks, 1 rank, killed after step 1's checkpoint, resumed) of two steps on the
+    sample."""
     from sftflow.tasks.check.training import run_training_checks, training_rows
     from sftflow.tasks.train.config import TrainOptions
 
@@ -250,6 +251,9 @@ def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokeni
     ranks, resume = training_rows(*runs, 2, 1e-4)
     assert ranks.passed and resume.passed, (ranks, resume)
     assert resume.measured == f"losses 1/1, tensors {len(runs[0].weights)}/{len(runs[0].weights)} bit-equal"
+    kill = runs[2].kill  # killed in step 2 (or its checkpoint save), after step 1's checkpoint
+    assert kill.landed and kill.latest == 1 and kill.logged_steps[0] == 1 and kill.processes >= 4, kill
+    assert resume.detail.endswith("resumed from the step-1 checkpoint to step 2")
 
 
 def test_training_rows_fail_on_a_resume_that_differs_and_ranks_that_drift():
