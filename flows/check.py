@@ -5,7 +5,7 @@
                  ├─▶ ids = the model's own template (when the data is rendered with another one)
                  ├─▶ one stop per trained turn
                  ├─▶ first-step loss and gradients of a packed row = HF eager forward per document
-                 └─▶ a few steps: 2 ranks = 1 rank; resumed from a checkpoint = uninterrupted (torchrun, gloo)
+                 └─▶ a few steps: 2 ranks = 1 rank; killed (SIGKILL) and resumed = uninterrupted (torchrun, gloo)
 
 `run_checks` is the plain function (the CLI calls it); the flow wraps it for deployments, publishes the table as an
 artifact, and fails when a check fails, so a deployment can gate training on it.
@@ -94,8 +94,8 @@ def run_checks(cfg: SFTConfig) -> CheckReport:
 @flow(name="sft-check", log_prints=True)
 def sft_check(config_path: str | None = None, config: SFTConfig | None = None) -> CheckReport:
     """Check the data's tokens and masks against Hugging Face, the first training step against Hugging Face's eager
-    forward, 2 ranks against 1 and a resumed run against an unbroken one, on a sample of the data and the configured
-    model; fail when a check fails."""
+    forward, 2 ranks against 1 and a killed and resumed run against an unbroken one, on a sample of the data and the
+    configured model; fail when a check fails."""
     from prefect.artifacts import create_markdown_artifact
 
     report = run_checks(resolve_config(config_path, config))

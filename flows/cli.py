@@ -561,8 +561,9 @@ def check(
 ) -> None:
     """Check your data and model before training: ids and masks equal Hugging Face's apply_chat_template, each trained
     turn teaches one stop, the first step's loss and gradients equal Hugging Face's eager forward per document, 2 ranks
-    train as 1, and a resumed run as an unbroken one (the last two: a few torchrun steps on the CPU; --set
-    check.steps=0 skips them). Prints a table; exits 0 when all pass, 1 when a check fails, 2 on bad input."""
+    train as 1, and a run killed (SIGKILL) and resumed as an unbroken one (the last two: a few torchrun steps on the
+    CPU; --set check.steps=0 skips them). Prints a table; exits 0 when all pass, 1 when a check fails, 2 on bad
+    input."""
     _quiet_defaults()
     from sftflow.flows.check import run_checks
 

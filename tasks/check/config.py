@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class CheckConfig(BaseModel):
@@ -18,9 +18,16 @@ class CheckConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the loss check runs (auto: a GPU if any)")
     loss_rtol: float = Field(1e-5, gt=0, description="largest relative difference of the loss from Hugging Face's")
     steps: int = Field(
-        3, ge=0, description="steps of the training checks (2 ranks = 1 rank, resume), on the CPU; 0 skips them"
+        3, ge=0, description="steps of the training checks (2 ranks = 1 rank, kill + resume), on the CPU; 0 skips them"
     )
     ranks_rtol: float = Field(1e-4, gt=0, description="largest relative difference of 2 ranks' losses and weights")
     grad_rtol: float = Field(
         1e-4, gt=0, description="largest relative difference (L2) of any parameter's gradient from Hugging Face's"
     )
+
+    @field_validator("steps")
+    @classmethod
+    def _room_to_kill(cls, value: int) -> int:
+        if value == 1:  # the kill lands after the first step's checkpoint, in a later step
+            raise ValueError("check.steps=1: no step after the first checkpoint to kill the run in; use 2+ (0 skips)")
+        return value

@@ -2,12 +2,14 @@
 
     sample ──pbin──▶ index ──plan (2 ranks)──▶ run "two-ranks"   2 processes, one planned rank each
                                           ├──▶ run "one-rank"    1 process taking both ranks' rows a step
-                                          └──▶ run "resumed"     2 processes from "two-ranks"' step-1 checkpoint
+                                          └──▶ run "killed"      2 processes, SIGKILLed (launcher, torchrun, workers)
+                                                                 after its first checkpoint, then resumed
 
 - `2 ranks = 1 rank`: the two runs' step losses and final weights (relative L2 over all of them) agree within
   `check.ranks_rtol` (data parallelism and gradient accumulation sum in different orders, so not to the bit).
-- `resume = uninterrupted`: the run resumed from the step-1 checkpoint has, from step 2 on, the very losses and final
-  weights of the run that went on, bit for bit: a killed run resumes from its latest checkpoint the same way.
+- `kill + resume = uninterrupted`: the killed run (`kill.kill_after_a_checkpoint`), resumed the normal way from the
+  checkpoint its `latest` names, has from there on the very losses and final weights of "two-ranks", bit for bit. A
+  run that ends before the kill reaches it is started again once; twice, and the row fails saying so.
 
 Each run is the launcher sftflow trains with (`sftflow.tasks.train.launch.train`), with the run config's `train`
 options (model, optimizer, LoRA, ...) but on the CPU, in fp32, with FSDP, without compiling, exporting or quantizing.
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from sftflow.tasks.check.kill import Kill, kill_after_a_checkpoint
 from sftflow.tasks.check.results import CheckRow
 from sftflow.tasks.data.index import build_index
 from sftflow.tasks.data.pbin import write_pbin
@@ -36,6 +39,7 @@ from sftflow.tasks.train.config import TrainConfig, TrainOptions
 class RunRecord:
     losses: dict[int, float]  # by step
     weights: dict[str, torch.Tensor]  # the model's tensors at the last step's checkpoint
+    kill: Kill | None = None  # how the run was killed before it was resumed (None: a resume from step 1's checkpoint)
 
 
 def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
@@ -75,7 +79,7 @@ def sample_plan(docs: list[TokenizedDoc], vocab_size: int, folder: Path, steps: 
 def run_training_checks(
     options: TrainOptions, docs: list[TokenizedDoc], vocab_size: int, tokenizer: str, folder: Path, steps: int
 ) -> tuple[RunRecord, RunRecord, RunRecord]:
-    """The three runs (two ranks, one rank, resumed), each `steps` steps, in `folder` (emptied first)."""
+    """The three runs (two ranks, one rank, killed and resumed), each `steps` steps, in `folder` (emptied first)."""
     from sftflow.tasks.train.launch import train
 
     shutil.rmtree(folder, ignore_errors=True)
@@ -106,12 +110,17 @@ def run_training_checks(
     for name, nproc in (("two-ranks", 2), ("one-rank", 1)):
         train(TrainConfig(**(fields | dict(nproc=nproc, out=str(folder / name)))))
         records[name] = _record(folder / name, steps)
-    resumed = folder / "resumed" / "checkpoints"
-    shutil.copytree(folder / "two-ranks" / "checkpoints" / "step-1", resumed / "step-1")
-    (resumed / "latest").write_text("step-1")
-    train(TrainConfig(**(fields | dict(nproc=2, out=str(folder / "resumed")))), resume=True)
-    records["resumed"] = _record(folder / "resumed", steps)
+    killed = TrainConfig(**(fields | dict(nproc=2, out=str(folder / "killed"))))
+    kill = kill_after_a_checkpoint(killed)
+    if kill.landed:
+        train(killed, resume=True)  # the normal resume: from the checkpoint `latest` names
+        records["resumed"] = replace(_record(killed.run_dir, steps), kill=kill)
+    else:
+        records["resumed"] = RunRecord(losses={}, weights={}, kill=kill)
     return records["two-ranks"], records["one-rank"], records["resumed"]
+
+
+KILL_ROW = "kill + resume = uninterrupted"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,16 +142,29 @@ def training_rows(two: RunRecord, one: RunRecord, resumed: RunRecord, steps: int
         bound=f"<= {rtol:.0e}",
         detail=f"{steps} steps on the CPU (gloo); weights: relative L2 over all of them",
     )
-    later = range(2, steps + 1)
+    kill = resumed.kill
+    if kill is not None and not kill.landed:
+        resume = CheckRow(
+            name=KILL_ROW,
+            passed=False,
+            measured="no kill landed",
+            bound="bit-equal",
+            detail=f"the run reached step {kill.latest} of {steps} before the kill, in {kill.attempts} attempts; "
+            "raise check.steps",
+        )
+        return [ranks, resume]
+    start = 1 if kill is None else kill.latest
+    later = range(start + 1, steps + 1)
     same_losses = sum(resumed.losses.get(s) == two.losses[s] for s in later)
     same_tensors = sum(torch.equal(resumed.weights[k], two.weights[k]) for k in two.weights)
     differ = [f"step {s}: loss {resumed.losses.get(s)} resumed, {two.losses[s]} uninterrupted" for s in later]
     differ = [d for d, s in zip(differ, later, strict=True) if resumed.losses.get(s) != two.losses[s]]
+    how = "" if kill is None else f"{kill.describe()}; "
     resume = CheckRow(
-        name="resume = uninterrupted",
+        name=KILL_ROW,
         passed=same_losses == len(later) and same_tensors == len(two.weights),
         measured=f"losses {same_losses}/{len(later)}, tensors {same_tensors}/{len(two.weights)} bit-equal",
         bound="bit-equal",
-        detail=differ[0] if differ else f"resumed from the step-1 checkpoint to step {steps}",
+        detail=differ[0] if differ else f"{how}resumed from the step-{start} checkpoint to step {steps}",
     )
     return [ranks, resume]

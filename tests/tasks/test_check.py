@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -237,7 +238,8 @@ def test_real_tokenizers_ids_and_masks_equal_hf(shared_data, tmp_path):
 
 @pytest.mark.slow
 def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir):
-    """Three torchrun launches (2 ranks, 1 rank, resumed from step 1) of two steps on the sample."""
+    """Four torchrun launches (2 ranks, 1 rank, killed after step 1's checkpoint, resumed) of two steps on the
+    sample."""
     from sftflow.tasks.check.training import run_training_checks, training_rows
     from sftflow.tasks.train.config import TrainOptions
 
@@ -249,6 +251,9 @@ def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokeni
     ranks, resume = training_rows(*runs, 2, 1e-4)
     assert ranks.passed and resume.passed, (ranks, resume)
     assert resume.measured == f"losses 1/1, tensors {len(runs[0].weights)}/{len(runs[0].weights)} bit-equal"
+    kill = runs[2].kill  # killed in step 2 (or its checkpoint save), after step 1's checkpoint
+    assert kill.landed and kill.latest == 1 and kill.logged_steps[0] == 1 and kill.processes >= 4, kill
+    assert resume.detail.endswith("resumed from the step-1 checkpoint to step 2")
 
 
 def test_training_rows_fail_on_a_resume_that_differs_and_ranks_that_drift():
@@ -268,3 +273,93 @@ def test_training_rows_fail_on_a_resume_that_differs_and_ranks_that_drift():
     assert resume.detail.startswith("step 2: loss 2.5000000000000004 resumed")
     ranks, resume = training_rows(two, two, two, 2, 1e-4)
     assert ranks.passed and resume.passed
+
+
+@pytest.mark.slow
+def test_the_kill_lands_between_the_first_checkpoint_and_the_end_and_the_resume_continues_from_it(
+    tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, caplog
+):
+    """The real launcher SIGKILLed with torchrun and both workers: none of them is left, the killed run's metrics stop
+    before its last step, and the normal resume starts from the checkpoint `latest` named and trains to the end."""
+    from sftflow.tasks.check.kill import kill_after_a_checkpoint
+    from sftflow.tasks.core.locks import process_alive
+    from sftflow.tasks.train.launch import train
+
+    config = _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=3)
+    kill = kill_after_a_checkpoint(config)  # lands after the first checkpoint found, in all but a starved run
+    assert kill.landed and 1 <= kill.latest < 3, kill
+    assert kill.processes >= 4  # the launcher, torchrun, 2 workers
+    assert kill.logged_steps[0] == 1 and max(kill.logged_steps) < 3
+    with caplog.at_level(logging.INFO, logger="sftflow.train"):
+        train(config, resume=True)  # waits for the killed workers' lock on the run to go
+    assert not [pid for pid in kill.pids if process_alive(pid) and not _zombie(pid)]
+    assert f"resumed all components from {tmp_path / 'run' / 'checkpoints' / f'step-{kill.latest}'}" in caplog.text
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_run_whose_only_checkpoint_is_its_last_is_never_counted_as_killed(
+    tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir
+):
+    """Nothing left to resume after the kill: not landed, tried twice, each time from an empty folder."""
+    from sftflow.tasks.check.kill import kill_after_a_checkpoint
+
+    config = _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=2, checkpoint_every=100)
+    kill = kill_after_a_checkpoint(config)
+    assert not kill.landed and kill.attempts == 2 and kill.latest == 2, kill
+    assert kill.logged_steps == (1, 2)
+
+
+def _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, **fields):
+    """The 2-process CPU run the kill checks launch, on the sample planned for 3 steps."""
+    from sftflow.tasks.check.training import sample_plan
+    from sftflow.tasks.train.config import TrainConfig
+
+    docs, _ = _docs(tiny_tokenizer, source)
+    model = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "model")
+    index, plan = sample_plan([d.trained for d in docs], len(tiny_tokenizer), tmp_path / "data", 3, seed=0)
+    fields = dict(
+        model=str(model), data=str(index), plan=str(plan), tokenizer=str(tiny_tokenizer_dir), out=str(tmp_path / "run"),
+        nproc=2, checkpoint_every=1, keep_last=4, export=False, device="cpu", dtype="fp32", compile="off",
+        parallel="fsdp", num_threads=1, lr=1e-3, warmup_steps=0,
+    ) | fields  # fmt: skip
+    return TrainConfig(**fields)
+
+
+def _zombie(pid: int) -> bool:
+    """Dead and not yet reaped (a killed worker's new parent reaps it when it gets to it)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_run_that_ended_before_the_kill_fails_the_kill_row_and_says_so():
+    """No kill landed (twice): the row fails, rather than passing on a run that was never interrupted; a kill that
+    landed is described, and the comparison starts after the checkpoint the resume started from."""
+    import torch
+
+    from sftflow.tasks.check.kill import Kill
+    from sftflow.tasks.check.training import RunRecord, training_rows
+
+    weights = {"model.w": torch.arange(6, dtype=torch.float32)}
+    two = RunRecord(losses={1: 3.0, 2: 2.5, 3: 2.0}, weights=weights)
+    missed = Kill(landed=False, pids=(), logged_steps=(1, 2, 3), latest=3, attempts=2)
+    _, row = training_rows(two, two, RunRecord(losses={}, weights={}, kill=missed), 3, 1e-4)
+    assert row.name == "kill + resume = uninterrupted" and not row.passed and row.measured == "no kill landed"
+    assert row.detail.startswith("the run reached step 3 of 3 before the kill, in 2 attempts")
+    landed = Kill(landed=True, pids=(11, 12, 13, 14), logged_steps=(1, 2), latest=2)
+    _, row = training_rows(two, two, RunRecord(losses={3: 2.0}, weights=dict(weights), kill=landed), 3, 1e-4)
+    assert row.passed and row.measured == "losses 1/1, tensors 1/1 bit-equal"
+    assert row.detail == (
+        "4 processes (launcher, torchrun, workers) SIGKILLed in step 3, latest step-2; "
+        "resumed from the step-2 checkpoint to step 3"
+    )
+
+
+def test_one_check_step_leaves_nothing_to_kill_and_is_refused(tmp_path):
+    result = CliRunner().invoke(app, ["check", "--work-dir", str(tmp_path), "--set", "check.steps=1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "check.steps=1: no step after the first checkpoint" in result.output, result.output
