@@ -48,11 +48,24 @@ class Kill:
 
 
 def _children() -> dict[int, list[int]]:
-    """Every process's children, from `ps` (Linux and macOS alike)."""
-    out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True, text=True, check=True).stdout
+    """Every process's children: from /proc where there is one (Linux, with or without procps), else from `ps`."""
+    pairs: list[tuple[int, int]] = []
+    proc = Path("/proc")
+    if (proc / "self" / "stat").is_file():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone since the listing
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last ")"
+            pairs.append((int(entry.name), int(stat[stat.rindex(")") + 2 :].split()[1])))
+    else:
+        out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True, text=True, check=True)
+        pairs = [(int(pid), int(ppid)) for pid, ppid in (line.split() for line in out.stdout.splitlines())]
     children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        pid, ppid = map(int, line.split())
+    for pid, ppid in pairs:
         children.setdefault(ppid, []).append(pid)
     return children
 
