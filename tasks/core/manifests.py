@@ -242,10 +242,17 @@ class PromoteConfig(BaseModel):
         None, ge=0, description="largest relative loss increase allowed on any one data source (0.01: 1%)"
     )
     bench_max_regression: float | None = Field(
-        None, ge=0, le=1, description="with bench: no task's score may fall below the base's by more (0.01: 1 point)"
+        None,
+        ge=0,
+        le=1,
+        description="with bench: no task's score may fall below the champion's (without one: the base's) by more "
+        "(0.01: 1 point)",
     )
     bench_min_mean_gain: float | None = Field(
-        None, ge=-1, le=1, description="with bench: the mean score over the tasks must beat the base's by this much"
+        None,
+        ge=-1,
+        le=1,
+        description="with bench: the mean score over the tasks must beat the champion's (or base's) by this much",
     )
     hub: HubTarget | None = Field(None, description="also push the champion to this Hub model repository")
 

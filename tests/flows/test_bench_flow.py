@@ -123,26 +123,32 @@ def test_the_demo_tasks_and_the_gate(setup):
         sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=_trained(work / "other"))
 
 
-def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
-    """Items whose right answer is the base's own pick: the base scores 100%, another model (other weights) less.
-    The choices are one token each: a random model's log-likelihoods otherwise mostly count a choice's tokens, so
-    any two would pick the shortest alike."""
+def _picks_task(work: Path, data, folder: Path | None, out: Path) -> dict:
+    """A choice task whose right answers are the picks of the model in `folder` (the base preset where None): that
+    model scores 100%, one of other weights less. The choices are one token each: a random model's log-likelihoods
+    otherwise mostly count a choice's tokens, so any two would pick the shortest alike."""
     from sftflow.flows.eval import base_model
+    from sftflow.flows.train import trained_model
     from sftflow.tasks.eval.bench import choice_loglikelihoods, encode
     from sftflow.tasks.eval.stage import load_model
 
-    work, data, _ = setup
     questions = ["What is 1 + 2?", "Capital of Peru?", "Reverse abc", "What is 5 + 3?", "Capital of Cuba?"]
     choices = ["1", "2", "3", "4", "5", "6", "7", "8"]
     tokenizer = AutoTokenizer.from_pretrained(data.tokenizer.path)
     assert all(len(encode(tokenizer, c)) == 1 for c in choices)
-    base = load_model(base_model(_config(work)), len(tokenizer))
+    ref = base_model(_config(work)) if folder is None else trained_model(_trained(folder))
+    model = load_model(ref, len(tokenizer))
     items = []
     for q in questions:
-        loglik = choice_loglikelihoods(base, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
+        loglik = choice_loglikelihoods(model, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
         items.append({"question": q, "choices": choices, "answer": max(range(8), key=loglik.__getitem__)})
-    (tmp_path / "picks.jsonl").write_text(_lines(*items))
-    task = {"name": "picks", "path": str(tmp_path / "picks.jsonl"), "kind": "choice", "chat": False}
+    out.write_text(_lines(*items))
+    return {"name": "picks", "path": str(out), "kind": "choice", "chat": False}
+
+
+def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
+    work, data, _ = setup
+    task = _picks_task(work, data, None, tmp_path / "picks.jsonl")
     cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1)
 
     report = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
@@ -150,7 +156,48 @@ def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
     assert report.tasks["picks"].scores["tuned"] < 0.9, "the other weights happen to pick as the base does"
     refused = sft_promote(config=cfg, data=data, train=_trained(work / "other"))
     assert refused.decision == "kept"
+    # The champion an earlier test promoted here was scored on the demo's tasks, not on these items.
+    assert any(r.startswith("bench: ") and r.endswith("compared with the base") for r in refused.reasons)
     assert any(r.startswith("bench picks: accuracy") and "below the base's 100.0%" in r for r in refused.reasons)
+
+
+def test_the_gate_compares_with_the_champions_recorded_scores(setup, tmp_path):
+    """The champion ("other" weights) answers every item right, the base less: a candidate with the base's weights
+    does not regress against the base but does against the champion, and is refused."""
+    from sftflow.tasks.eval.registry import Registry
+
+    work, data, step0 = setup
+    task = _picks_task(work, data, work / "other", tmp_path / "picks.jsonl")
+    rules = {"bench_max_regression": 0.1, "registry": str(tmp_path / "registry")}
+    cfg = _config(work, tasks=[task], demo_bench=False, **rules)
+
+    first = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
+    assert first.tasks["picks"].scores["tuned"] == 1.0
+    assert first.tasks["picks"].scores["base"] < 0.9, "the base happens to pick as the other weights do"
+    promoted = sft_promote(config=cfg, data=data, train=_trained(work / "other"), bench=first)
+    assert promoted.decision == "promoted", promoted.reasons
+    card = Registry(tmp_path / "registry").champion().card
+    assert card["bench"]["picks"]["score"] == 1.0 and card["bench"]["picks"]["items"] == 5
+
+    second = sft_bench(config=cfg, data=data, train=step0)
+    assert second.tasks["picks"].scores["tuned"] == second.tasks["picks"].scores["base"]  # no regression vs the base
+    refused = sft_promote(config=cfg, data=data, train=step0, bench=second)
+    assert refused.decision == "kept" and refused.champion == promoted.champion
+    assert f"bench: compared with champion {promoted.champion}'s recorded scores" in refused.reasons
+    assert any(
+        r.startswith("bench picks: accuracy") and f"below the champion {promoted.champion}'s 100.0%" in r
+        for r in refused.reasons
+    ), refused.reasons
+
+    # An edited task file: the champion's scores are of other items, so the gate says so and compares with the base.
+    items = Path(task["path"]).read_text().splitlines()
+    Path(task["path"]).write_text("\n".join(items[:4]) + "\n")
+    third = sft_bench(config=cfg, data=data, train=step0)
+    again = sft_promote(config=cfg, data=data, train=step0, bench=third)
+    assert any(
+        "has no recorded score on the same task files for picks; compared with the base" in r for r in again.reasons
+    )
+    assert not any("below the" in r for r in again.reasons), again.reasons
 
 
 def test_bench_rules_without_tasks_and_yaml_paths(tmp_path):
