@@ -189,6 +189,7 @@ class BenchReport(Manifest):
     models: dict[str, str | None]  # each model evaluated -> the sha256 of its files (None: a preset)
     markdown_path: str
     samples_path: str
+    plot_path: str | None = None  # bench.png: each task's score per model
 
     def mean(self, model: str) -> float:
         return sum(t.scores[model] for t in self.tasks.values()) / len(self.tasks)

@@ -19,6 +19,7 @@ from sftflow.flows.data import sft_data
 from sftflow.flows.promote import sft_promote
 from sftflow.tasks.core.manifests import TrainResult
 from tests.flows.conftest import RecordedTaskRuns
+from tests.flows.test_train_resume import _artifact_keys
 
 RECORDS = 40
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
@@ -67,7 +68,12 @@ def _lines(*items: dict) -> str:
 def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
     work, data, train = setup
     choice, generate = tmp_path / "choice.jsonl", tmp_path / "generate.jsonl"
-    choice.write_text(_lines({"question": "Capital of Peru?", "choices": ["Lima", "Oslo"], "answer": 0}))
+    choice.write_text(
+        _lines(
+            {"question": "Capital of Peru?", "choices": ["Lima", "Oslo"], "answer": 0, "subset": "geography"},
+            {"question": "What is 2 + 2?", "choices": ["4", "5"], "answer": 0, "subset": "math"},
+        )
+    )
     generate.write_text(_lines({"question": "What is 1 + 2?", "answer": "so #### 3"}))
     tasks = [
         {"name": "mine", "path": str(choice), "kind": "choice"},
@@ -82,11 +88,20 @@ def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
     cfg = _config(work, tasks=tasks, demo_bench=False)
 
     with RecordedTaskRuns() as runs:
-        report = sft_bench(config=cfg, data=data, train=train)
+        state = sft_bench(config=cfg, data=data, train=train, return_state=True)
+    report = state.result()
     assert runs.states()["bench"] == ["Completed"]
     assert list(report.tasks) == ["mine", "sums"] and set(report.models) == {"base", "tuned"}
     samples = [json.loads(line) for line in Path(report.samples_path).read_text().splitlines()]
-    assert [s["reference"] for s in samples] == ["Lima", "so #### 3"]
+    assert [s["reference"] for s in samples] == ["Lima", "4", "so #### 3"]
+    # Per-subset scores (the `mine` task's items name one; `sums`' do not) and the plot beside the report.
+    markdown = Path(report.markdown_path).read_text()
+    assert "## By subset" in markdown and "| mine | geography | 1 |" in markdown and "| mine | math | 1 |" in markdown
+    assert "| sums |" not in markdown.split("## By subset")[1]
+    plot = Path(report.plot_path)
+    assert plot.parent == Path(report.path).parent and plot.name == "bench.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"Scores plot: `{plot}`" in markdown
+    assert {"sft-bench-report", "sft-bench-scores", "sft-bench-subsets"} <= _artifact_keys(state)
 
     with RecordedTaskRuns() as runs:
         again = sft_bench(config=cfg, data=data, train=train)
