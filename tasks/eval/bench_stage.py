@@ -1,4 +1,5 @@
-"""The `bench` stage task: the tuned model (and the base) on benchmark tasks, with a report, samples and artifacts.
+"""The `bench` stage task: the tuned model (and the base, and the registry's champion) on benchmark tasks, with a
+report, samples and artifacts.
 
 Cached on the models' content hashes, the task files' contents and settings, the tokenizer, the chat template text
 and the code, so a rerun with nothing changed is Cached and editing one task file reruns the stage.
@@ -28,6 +29,7 @@ def bench_run(
     vocab_size: int | None,
     tasks: list[BenchTaskFile],
     lm_eval: LmEvalTasks | None = None,
+    champion: ModelRef | None = None,
 ) -> list[TaskResult]:
     """Load the models and score them on every task: the local files here, `lm_eval`'s through lm-eval."""
     from transformers import AutoTokenizer
@@ -44,6 +46,8 @@ def bench_run(
     if base is not None:
         models["base"] = load_model(base, vocab_size)
     models["tuned"] = load_model(tuned, vocab_size)
+    if champion is not None:
+        models["champion"] = load_model(champion, vocab_size)
     results = run_bench(models, tokenizer, template, tasks)
     if lm_eval is not None:
         from sftflow.tasks.eval.bench_lm_eval import run_lm_eval
@@ -152,11 +156,12 @@ def bench_task(
     vocab_size: int | None,
     tasks: list[BenchTaskFile],
     lm_eval: LmEvalTasks | None,
+    champion: ModelRef | None,
     work_dir: str,
 ) -> BenchReport:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    results = bench_run(tuned, base, tokenizer.path, chat_template, vocab_size, tasks, lm_eval)
+    results = bench_run(tuned, base, tokenizer.path, chat_template, vocab_size, tasks, lm_eval, champion)
     samples = out_dir / "samples.jsonl"
     write_atomic(
         samples,
@@ -184,6 +189,8 @@ def bench_task(
     models = {"tuned": tuned.sha256}
     if base is not None:
         models = {"base": base.sha256, **models}
+    if champion is not None:
+        models["champion"] = champion.sha256
     return BenchReport(
         path=str(report),
         sha256=sha256_file(report),

@@ -70,11 +70,14 @@ def bench_card(bench: BenchReport) -> dict:
 
 
 def champion_scores(champion, bench: BenchReport) -> tuple[dict[str, float] | None, str]:
-    """The champion's recorded score on each of the candidate's tasks, or None where it has none on one of them (a
-    task it was not scored on, another metric or item count, or an edited task file); and one line saying which
-    reference the gate compares with."""
+    """The champion's score on each of the candidate's tasks: as sft-bench scored it beside the candidate, else as
+    recorded in its card when it was promoted; None where neither has one of them (a task it was not scored on,
+    another metric or item count, or an edited task file). And one line saying what the gate compares with."""
     if champion is None:
         return None, "bench: no champion yet; compared with the base"
+    if bench.models.get("champion") == champion.sha256:
+        scores = {name: t.scores["champion"] for name, t in bench.tasks.items()}
+        return scores, f"bench: compared with champion {champion.name}, scored beside the candidate by sft-bench"
     recorded = champion.card.get("bench") or {}
     candidate = bench_card(bench)
     missing = [

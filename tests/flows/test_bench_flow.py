@@ -25,14 +25,16 @@ RECORDS = 40
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
-def _config(work: Path, tasks: list | None = None, demo_bench: bool = True, **promote) -> SFTConfig:
+def _config(
+    work: Path, tasks: list | None = None, demo_bench: bool = True, compare_champion: bool = True, **promote
+) -> SFTConfig:
     return SFTConfig.model_validate(
         {
             "work_dir": str(work),
             "demo": {"records": RECORDS, "bench": demo_bench},
             "train": {"model": "tiny-llama", "model_overrides": TINY},
             "eval": {"max_docs": 4, "max_generations": 1},
-            "bench": {"tasks": tasks or []},
+            "bench": {"tasks": tasks or [], "compare_champion": compare_champion},
             "promote": {"registry": str(work / f"registry-{len(promote)}"), **promote},
         }
     )
@@ -164,54 +166,62 @@ def _picks_task(work: Path, data, folder: Path | None, out: Path) -> dict:
 def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
     work, data, _ = setup
     task = _picks_task(work, data, None, tmp_path / "picks.jsonl")
-    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1)
+    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1, registry=str(tmp_path / "reg"))
 
     report = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
     assert report.tasks["picks"].scores["base"] == 1.0
     assert report.tasks["picks"].scores["tuned"] < 0.9, "the other weights happen to pick as the base does"
     refused = sft_promote(config=cfg, data=data, train=_trained(work / "other"))
     assert refused.decision == "kept"
-    # The champion an earlier test promoted here was scored on the demo's tasks, not on these items.
-    assert any(r.startswith("bench: ") and r.endswith("compared with the base") for r in refused.reasons)
+    assert "bench: no champion yet; compared with the base" in refused.reasons
     assert any(r.startswith("bench picks: accuracy") and "below the base's 100.0%" in r for r in refused.reasons)
 
 
-def test_the_gate_compares_with_the_champions_recorded_scores(setup, tmp_path):
+def test_the_gate_compares_with_the_champion(setup, tmp_path):
     """The champion ("other" weights) answers every item right, the base less: a candidate with the base's weights
-    does not regress against the base but does against the champion, and is refused."""
+    does not regress against the base but does against the champion, and is refused, whether sft-bench scored the
+    champion beside it or the gate reads the scores recorded in the champion's card."""
     from sftflow.tasks.eval.registry import Registry
 
     work, data, step0 = setup
     task = _picks_task(work, data, work / "other", tmp_path / "picks.jsonl")
     rules = {"bench_max_regression": 0.1, "registry": str(tmp_path / "registry")}
     cfg = _config(work, tasks=[task], demo_bench=False, **rules)
+    recorded_only = _config(work, tasks=[task], demo_bench=False, compare_champion=False, **rules)
 
     first = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
-    assert first.tasks["picks"].scores["tuned"] == 1.0
+    assert first.tasks["picks"].scores["tuned"] == 1.0 and "champion" not in first.models
     assert first.tasks["picks"].scores["base"] < 0.9, "the base happens to pick as the other weights do"
     promoted = sft_promote(config=cfg, data=data, train=_trained(work / "other"), bench=first)
     assert promoted.decision == "promoted", promoted.reasons
     card = Registry(tmp_path / "registry").champion().card
     assert card["bench"]["picks"]["score"] == 1.0 and card["bench"]["picks"]["items"] == 5
+    champion = promoted.champion
 
-    second = sft_bench(config=cfg, data=data, train=step0)
-    assert second.tasks["picks"].scores["tuned"] == second.tasks["picks"].scores["base"]  # no regression vs the base
-    refused = sft_promote(config=cfg, data=data, train=step0, bench=second)
-    assert refused.decision == "kept" and refused.champion == promoted.champion
-    assert f"bench: compared with champion {promoted.champion}'s recorded scores" in refused.reasons
-    assert any(
-        r.startswith("bench picks: accuracy") and f"below the champion {promoted.champion}'s 100.0%" in r
-        for r in refused.reasons
-    ), refused.reasons
+    scored = sft_bench(config=cfg, data=data, train=step0)
+    picks = scored.tasks["picks"].scores
+    assert picks["champion"] == 1.0 and picks["tuned"] == picks["base"]  # no regression against the base
+    assert "| base | tuned | champion |" in Path(scored.markdown_path).read_text()  # a column of the tables
+    recorded = sft_bench(config=recorded_only, data=data, train=step0)
+    assert "champion" not in recorded.models
+    for bench, compared in [
+        (scored, f"bench: compared with champion {champion}, scored beside the candidate by sft-bench"),
+        (recorded, f"bench: compared with champion {champion}'s recorded scores"),
+    ]:
+        refused = sft_promote(config=cfg, data=data, train=step0, bench=bench)
+        assert refused.decision == "kept" and refused.champion == champion
+        assert compared in refused.reasons
+        assert any(
+            r.startswith("bench picks: accuracy") and f"below the champion {champion}'s 100.0%" in r
+            for r in refused.reasons
+        ), refused.reasons
 
-    # An edited task file: the champion's scores are of other items, so the gate says so and compares with the base.
+    # An edited task file: the card's scores are of other items, so the gate says so and compares with the base.
     items = Path(task["path"]).read_text().splitlines()
     Path(task["path"]).write_text("\n".join(items[:4]) + "\n")
-    third = sft_bench(config=cfg, data=data, train=step0)
-    again = sft_promote(config=cfg, data=data, train=step0, bench=third)
-    assert any(
-        "has no recorded score on the same task files for picks; compared with the base" in r for r in again.reasons
-    )
+    edited = sft_bench(config=recorded_only, data=data, train=step0)
+    again = sft_promote(config=cfg, data=data, train=step0, bench=edited)
+    assert any("no recorded score on the same task files for picks; compared with the base" in r for r in again.reasons)
     assert not any("below the" in r for r in again.reasons), again.reasons
 
 
