@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from sftflow.flows.config import SFTConfig, bench_config, resolve_config
+from sftflow.flows.config import SFTConfig, bench_config, registry_root, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.eval import base_model
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
@@ -64,7 +64,6 @@ def sft_bench(
 def champion_model(cfg: SFTConfig, tuned: ModelRef) -> ModelRef | None:
     """The registry's champion, to score beside the tuned model: what the promotion gate compares with. None without
     one, or where the tuned model is the champion (after its promotion: a rerun stays Cached)."""
-    from sftflow.flows.promote import registry_root
     from sftflow.tasks.eval.registry import Registry
 
     champion = Registry(registry_root(cfg)).champion()
