@@ -1,6 +1,7 @@
-"""The `sft-bench` flow: the tuned model and the base, side by side, on the benchmark tasks of `bench` in the config
-(generative tasks scored by exact match of an extracted answer, multiple-choice tasks by log-likelihood). The report
-is a Prefect markdown artifact and a table; `bench.json` in the work folder is what the promotion gate reads."""
+"""The `sft-bench` flow: the tuned model, the base and the registry's champion side by side, on the benchmark tasks
+of `bench` in the config (generative tasks scored by exact match of an extracted answer, multiple-choice tasks by
+log-likelihood). The report is a Prefect markdown artifact and a table; `bench.json` in the work folder is what the
+promotion gate reads."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from sftflow.flows.config import SFTConfig, bench_config, resolve_config
+from sftflow.flows.config import SFTConfig, bench_config, registry_root, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.eval import base_model
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
-from sftflow.tasks.core.manifests import BenchReport, TrainResult
+from sftflow.tasks.core.manifests import BenchReport, ModelRef, TrainResult
 from sftflow.tasks.eval.bench_config import resolve_lm_eval, resolve_tasks
 from sftflow.tasks.eval.bench_stage import bench_task
 
@@ -50,6 +51,7 @@ def sft_bench(
             vocab_size,
             tasks,
             lm_eval,
+            champion_model(cfg, trained_model(train)) if bench.compare_champion else None,
             str(work),
         )
         write_stage_result(work, "bench", report)
@@ -57,6 +59,17 @@ def sft_bench(
         shown = "  ".join(f"{model} {value:.1%}" for model, value in scores.scores.items())
         get_run_logger().info("sft-bench %-12s %s %s", name, scores.metric, shown)
     return report
+
+
+def champion_model(cfg: SFTConfig, tuned: ModelRef) -> ModelRef | None:
+    """The registry's champion, to score beside the tuned model: what the promotion gate compares with. None without
+    one, or where the tuned model is the champion (after its promotion: a rerun stays Cached)."""
+    from sftflow.tasks.eval.registry import Registry
+
+    champion = Registry(registry_root(cfg)).champion()
+    if champion is None or champion.sha256 == tuned.sha256:
+        return None
+    return ModelRef(spec=str(champion.model_dir), sha256=champion.sha256)
 
 
 def load_bench_result(work_dir: str | Path) -> BenchReport:

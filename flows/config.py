@@ -425,6 +425,11 @@ def data_config(cfg: SFTConfig) -> DataConfig:
     return DataConfig.model_validate(base)
 
 
+def registry_root(cfg: SFTConfig) -> Path:
+    """The model registry the gate promotes into (and whose champion sft-bench scores)."""
+    return Path(cfg.promote.registry) if cfg.promote.registry else Path(cfg.work_dir).resolve() / "registry"
+
+
 def bench_config(cfg: SFTConfig) -> BenchConfig:
     """The bench section; with `demo.bench`, the demo's own tasks too (written once beside its data)."""
     if cfg.demo is None or not cfg.demo.bench:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from sftflow.flows.config import SFTConfig, resolve_config
+from sftflow.flows.config import SFTConfig, registry_root, resolve_config
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import work_dir_lock, write_stage_result
 from sftflow.flows.train import load_train_result, trained_model
@@ -22,10 +22,6 @@ from sftflow.tasks.core.manifests import (
     TokenizerRef,
     TrainResult,
 )
-
-
-def registry_root(cfg: SFTConfig) -> Path:
-    return Path(cfg.promote.registry) if cfg.promote.registry else Path(cfg.work_dir).resolve() / "registry"
 
 
 # Not cached: the decision depends on the registry's champion, which other runs change.

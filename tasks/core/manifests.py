@@ -189,6 +189,7 @@ class BenchReport(Manifest):
     models: dict[str, str | None]  # each model evaluated -> the sha256 of its files (None: a preset)
     markdown_path: str
     samples_path: str
+    plot_path: str | None = None  # bench.png: each task's score per model
 
     def mean(self, model: str) -> float:
         return sum(t.scores[model] for t in self.tasks.values()) / len(self.tasks)
@@ -242,10 +243,17 @@ class PromoteConfig(BaseModel):
         None, ge=0, description="largest relative loss increase allowed on any one data source (0.01: 1%)"
     )
     bench_max_regression: float | None = Field(
-        None, ge=0, le=1, description="with bench: no task's score may fall below the base's by more (0.01: 1 point)"
+        None,
+        ge=0,
+        le=1,
+        description="with bench: no task's score may fall below the champion's (without one: the base's) by more "
+        "(0.01: 1 point)",
     )
     bench_min_mean_gain: float | None = Field(
-        None, ge=-1, le=1, description="with bench: the mean score over the tasks must beat the base's by this much"
+        None,
+        ge=-1,
+        le=1,
+        description="with bench: the mean score over the tasks must beat the champion's (or base's) by this much",
     )
     hub: HubTarget | None = Field(None, description="also push the champion to this Hub model repository")
 

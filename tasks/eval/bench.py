@@ -68,14 +68,14 @@ def score_task(
     prompts = [render_prompt(item, fewshot, template if task.chat else None) for item in items]
     contexts = [encode(tokenizer, p) for p in prompts]
     samples = [{"line": item.line, "reference": item.answer} for item in items]
-    scores = {}
+    scores, verdicts = {}, {}
     for name, model in models.items():
-        verdicts = (
+        verdicts[name] = (
             _generate(model, tokenizer, task, items, contexts, samples, name)
             if task.kind == "generate"
             else _choose(model, tokenizer, items, contexts, samples, name)
         )
-        scores[name] = sum(verdicts) / len(verdicts)
+        scores[name] = sum(verdicts[name]) / len(verdicts[name])
     return TaskResult(
         name=task.name,
         kind=task.kind,
@@ -84,7 +84,25 @@ def score_task(
         items=len(items),
         prompt_example=prompts[0],
         samples=samples,
+        subsets=subset_scores(items, verdicts),
     )
+
+
+def subset_scores(items: list[BenchItem], verdicts: dict[str, list[bool]]) -> dict[str, dict]:
+    """Per subset (sorted; items without one under "other"): its item count and each model's score. Empty where no
+    item names a subset."""
+    if all(item.subset is None for item in items):
+        return {}
+    groups: dict[str, list[int]] = {}
+    for k, item in enumerate(items):
+        groups.setdefault(item.subset or "other", []).append(k)
+    return {
+        subset: {
+            "items": len(ks),
+            "scores": {name: sum(v[k] for k in ks) / len(ks) for name, v in verdicts.items()},
+        }
+        for subset, ks in sorted(groups.items())
+    }
 
 
 def _generate(model, tokenizer, task: BenchTask, items: list[BenchItem], contexts, samples, name: str) -> list[bool]:

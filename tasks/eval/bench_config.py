@@ -65,6 +65,9 @@ class BenchConfig(BaseModel):
         None, description="a folder of lm-eval task YAMLs (for tasks over local `data_files`), added to its registry"
     )
     compare_base: bool = True
+    compare_champion: bool = Field(
+        True, description="also score the registry's champion (when there is one other than the tuned model)"
+    )
 
     @model_validator(mode="after")
     def _unique_names(self):

@@ -20,6 +20,7 @@ class BenchItem:
     question: str
     answer: str  # generate: the reference text; choice: the right choice's text
     choices: tuple[str, ...] = ()
+    subset: str | None = None  # the item's group in per-subset tables (MMLU's subject, say)
 
     @property
     def correct_choice(self) -> int:
@@ -55,11 +56,14 @@ def _item(record: dict, task: BenchTask, where: str, line_no: int) -> BenchItem:
     question = record.get("question")
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"{where}: field 'question' must be a non-empty string")
+    subset = record.get("subset")
+    if subset is not None and (not isinstance(subset, str) or not subset.strip()):
+        raise ValueError(f"{where}: field 'subset' must be a non-empty string (the item's group) or absent")
     answer = record.get("answer")
     if task.kind == "generate":
         if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
             raise ValueError(f"{where}: field 'answer' must be a string (the reference) for a generate task")
-        return BenchItem(line=line_no, question=question, answer=str(answer))
+        return BenchItem(line=line_no, question=question, answer=str(answer), subset=subset)
     choices = record.get("choices")
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"{where}: field 'choices' must be a list of at least two non-empty strings")
@@ -69,7 +73,7 @@ def _item(record: dict, task: BenchTask, where: str, line_no: int) -> BenchItem:
         answer = choices[answer]
     elif not isinstance(answer, str) or answer not in choices:
         raise ValueError(f"{where}: field 'answer' must be the right choice's index or one of 'choices'")
-    return BenchItem(line=line_no, question=question, answer=answer, choices=tuple(choices))
+    return BenchItem(line=line_no, question=question, answer=answer, choices=tuple(choices), subset=subset)
 
 
 def split_items(items: list[BenchItem], task: BenchTask) -> tuple[list[BenchItem], list[BenchItem]]:

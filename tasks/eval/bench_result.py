@@ -14,3 +14,5 @@ class TaskResult:
     items: int
     prompt_example: str = ""  # the first scored item's prompt, few-shot examples and template included
     samples: list[dict] = field(default_factory=list)  # per item: line, reference, each model's answer and verdict
+    # Where items carry a `subset`: per subset, its item count and each model's score (items without one: "other").
+    subsets: dict[str, dict] = field(default_factory=dict)  # subset -> {"items": n, "scores": {model: score}}

@@ -57,26 +57,67 @@ def decide(candidate: EvalMetrics, champion: EvalMetrics | None, config: Promote
     return ok, reasons
 
 
-def decide_bench(bench: BenchReport, config: PromoteConfig) -> tuple[bool, list[str]]:
-    """The benchmark rules: no task's score below the base's by more than `bench_max_regression`, and the mean over
-    the tasks above the base's by at least `bench_min_mean_gain` (scores in [0, 1]: 0.01 is one point)."""
+def bench_card(bench: BenchReport) -> dict:
+    """The candidate's own benchmark scores, each with its task file's hash: recorded in its registry card when it is
+    promoted, so the next gate compares with the champion on the same tasks."""
+    report = Path(bench.path)
+    files = json.loads(report.read_text(encoding="utf-8")).get("task_files", []) if report.is_file() else []
+    shas = {f["name"]: f["sha256"] for f in files}
+    return {
+        name: {"metric": t.metric, "items": t.items, "score": t.scores["tuned"], "task_sha256": shas.get(name)}
+        for name, t in bench.tasks.items()
+    }
+
+
+def champion_scores(champion, bench: BenchReport) -> tuple[dict[str, float] | None, str]:
+    """The champion's score on each of the candidate's tasks: as sft-bench scored it beside the candidate, else as
+    recorded in its card when it was promoted; None where neither has one of them (a task it was not scored on,
+    another metric or item count, or an edited task file). And one line saying what the gate compares with."""
+    if champion is None:
+        return None, "bench: no champion yet; compared with the base"
+    if bench.models.get("champion") == champion.sha256:
+        scores = {name: t.scores["champion"] for name, t in bench.tasks.items()}
+        return scores, f"bench: compared with champion {champion.name}, scored beside the candidate by sft-bench"
+    recorded = champion.card.get("bench") or {}
+    candidate = bench_card(bench)
+    missing = [
+        name
+        for name, now in candidate.items()
+        if name not in recorded or any(recorded[name].get(k) != now[k] for k in ("metric", "items", "task_sha256"))
+    ]
+    if missing:
+        return None, (
+            f"bench: champion {champion.name} has no recorded score on the same task files for {', '.join(missing)}; "
+            "compared with the base"
+        )
+    scores = {name: float(recorded[name]["score"]) for name in candidate}
+    return scores, f"bench: compared with champion {champion.name}'s recorded scores"
+
+
+def decide_bench(
+    bench: BenchReport, config: PromoteConfig, champion: dict[str, float] | None = None, label: str = "base"
+) -> tuple[bool, list[str]]:
+    """The benchmark rules: no task's score below the reference's by more than `bench_max_regression`, and the mean
+    over the tasks above the reference's by at least `bench_min_mean_gain` (scores in [0, 1]: 0.01 is one point).
+    The reference is `champion`'s scores (by task) when given, named `label`; else the base's."""
     reasons, ok = [], True
+    reference = champion if champion is not None else {name: t.scores["base"] for name, t in bench.tasks.items()}
     if config.bench_max_regression is not None:
         for name, task in bench.tasks.items():
-            tuned, base = task.scores["tuned"], task.scores["base"]
+            tuned, base = task.scores["tuned"], reference[name]
             if tuned < base - config.bench_max_regression:
                 ok = False
                 reasons.append(
                     f"bench {name}: {task.metric} {tuned:.1%} fell {100 * (base - tuned):.1f} points below the "
-                    f"base's {base:.1%} (at most {100 * config.bench_max_regression:.1f} allowed)"
+                    f"{label}'s {base:.1%} (at most {100 * config.bench_max_regression:.1f} allowed)"
                 )
     if config.bench_min_mean_gain is not None:
-        tuned, base = bench.mean("tuned"), bench.mean("base")
+        tuned, base = bench.mean("tuned"), sum(reference.values()) / len(reference)
         gain = tuned - base
         verdict = "meets" if gain >= config.bench_min_mean_gain else "misses"
         ok = ok and gain >= config.bench_min_mean_gain
         reasons.append(
-            f"bench mean {tuned:.1%} vs the base's {base:.1%}: {100 * gain:+.1f} points {verdict} the "
+            f"bench mean {tuned:.1%} vs the {label}'s {base:.1%}: {100 * gain:+.1f} points {verdict} the "
             f"{100 * config.bench_min_mean_gain:+.1f} required"
         )
     return ok, reasons
@@ -141,11 +182,15 @@ def promote(
             metrics = _compare(candidate, champion, index, tokenizer, eval_config)
             ok, reasons = decide(metrics["candidate"], metrics.get("champion"), config)
             if bench is not None:
-                bench_ok, bench_reasons = decide_bench(bench, config)
-                ok, reasons = ok and bench_ok, reasons + bench_reasons
+                scores, compared = champion_scores(champion, bench)
+                label = "base" if scores is None else f"champion {champion.name}"
+                bench_ok, bench_reasons = decide_bench(bench, config, scores, label)
+                ok, reasons = ok and bench_ok, [*reasons, compared, *bench_reasons]
         now = before
         if ok:
             card = {"source": {"model": candidate.spec, **(source or {})}, "eval": metrics["candidate"].model_dump()}
+            if bench is not None:
+                card["bench"] = bench_card(bench)
             version = registry.publish(candidate.spec, {**card, "eval_index_sha256": index.sha256, "sha256": sha})
             registry.set_champion(version)
             now = version.name

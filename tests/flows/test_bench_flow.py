@@ -19,19 +19,22 @@ from sftflow.flows.data import sft_data
 from sftflow.flows.promote import sft_promote
 from sftflow.tasks.core.manifests import TrainResult
 from tests.flows.conftest import RecordedTaskRuns
+from tests.flows.test_train_resume import _artifact_keys
 
 RECORDS = 40
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
-def _config(work: Path, tasks: list | None = None, demo_bench: bool = True, **promote) -> SFTConfig:
+def _config(
+    work: Path, tasks: list | None = None, demo_bench: bool = True, compare_champion: bool = True, **promote
+) -> SFTConfig:
     return SFTConfig.model_validate(
         {
             "work_dir": str(work),
             "demo": {"records": RECORDS, "bench": demo_bench},
             "train": {"model": "tiny-llama", "model_overrides": TINY},
             "eval": {"max_docs": 4, "max_generations": 1},
-            "bench": {"tasks": tasks or []},
+            "bench": {"tasks": tasks or [], "compare_champion": compare_champion},
             "promote": {"registry": str(work / f"registry-{len(promote)}"), **promote},
         }
     )
@@ -67,7 +70,12 @@ def _lines(*items: dict) -> str:
 def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
     work, data, train = setup
     choice, generate = tmp_path / "choice.jsonl", tmp_path / "generate.jsonl"
-    choice.write_text(_lines({"question": "Capital of Peru?", "choices": ["Lima", "Oslo"], "answer": 0}))
+    choice.write_text(
+        _lines(
+            {"question": "Capital of Peru?", "choices": ["Lima", "Oslo"], "answer": 0, "subset": "geography"},
+            {"question": "What is 2 + 2?", "choices": ["4", "5"], "answer": 0, "subset": "math"},
+        )
+    )
     generate.write_text(_lines({"question": "What is 1 + 2?", "answer": "so #### 3"}))
     tasks = [
         {"name": "mine", "path": str(choice), "kind": "choice"},
@@ -82,11 +90,20 @@ def test_bench_is_cached_and_an_edited_task_file_reruns_it(setup, tmp_path):
     cfg = _config(work, tasks=tasks, demo_bench=False)
 
     with RecordedTaskRuns() as runs:
-        report = sft_bench(config=cfg, data=data, train=train)
+        state = sft_bench(config=cfg, data=data, train=train, return_state=True)
+    report = state.result()
     assert runs.states()["bench"] == ["Completed"]
     assert list(report.tasks) == ["mine", "sums"] and set(report.models) == {"base", "tuned"}
     samples = [json.loads(line) for line in Path(report.samples_path).read_text().splitlines()]
-    assert [s["reference"] for s in samples] == ["Lima", "so #### 3"]
+    assert [s["reference"] for s in samples] == ["Lima", "4", "so #### 3"]
+    # Per-subset scores (the `mine` task's items name one; `sums`' do not) and the plot beside the report.
+    markdown = Path(report.markdown_path).read_text()
+    assert "## By subset" in markdown and "| mine | geography | 1 |" in markdown and "| mine | math | 1 |" in markdown
+    assert "| sums |" not in markdown.split("## By subset")[1]
+    plot = Path(report.plot_path)
+    assert plot.parent == Path(report.path).parent and plot.name == "bench.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"Scores plot: `{plot}`" in markdown
+    assert {"sft-bench-report", "sft-bench-scores", "sft-bench-subsets"} <= _artifact_keys(state)
 
     with RecordedTaskRuns() as runs:
         again = sft_bench(config=cfg, data=data, train=train)
@@ -123,34 +140,89 @@ def test_the_demo_tasks_and_the_gate(setup):
         sft_promote(config=_config(work, bench_max_regression=0.0), data=data, train=_trained(work / "other"))
 
 
-def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
-    """Items whose right answer is the base's own pick: the base scores 100%, another model (other weights) less.
-    The choices are one token each: a random model's log-likelihoods otherwise mostly count a choice's tokens, so
-    any two would pick the shortest alike."""
+def _picks_task(work: Path, data, folder: Path | None, out: Path) -> dict:
+    """A choice task whose right answers are the picks of the model in `folder` (the base preset where None): that
+    model scores 100%, one of other weights less. The choices are one token each: a random model's log-likelihoods
+    otherwise mostly count a choice's tokens, so any two would pick the shortest alike."""
     from sftflow.flows.eval import base_model
+    from sftflow.flows.train import trained_model
     from sftflow.tasks.eval.bench import choice_loglikelihoods, encode
     from sftflow.tasks.eval.stage import load_model
 
-    work, data, _ = setup
     questions = ["What is 1 + 2?", "Capital of Peru?", "Reverse abc", "What is 5 + 3?", "Capital of Cuba?"]
     choices = ["1", "2", "3", "4", "5", "6", "7", "8"]
     tokenizer = AutoTokenizer.from_pretrained(data.tokenizer.path)
     assert all(len(encode(tokenizer, c)) == 1 for c in choices)
-    base = load_model(base_model(_config(work)), len(tokenizer))
+    ref = base_model(_config(work)) if folder is None else trained_model(_trained(folder))
+    model = load_model(ref, len(tokenizer))
     items = []
     for q in questions:
-        loglik = choice_loglikelihoods(base, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
+        loglik = choice_loglikelihoods(model, encode(tokenizer, f"{q}\n"), [encode(tokenizer, c) for c in choices])
         items.append({"question": q, "choices": choices, "answer": max(range(8), key=loglik.__getitem__)})
-    (tmp_path / "picks.jsonl").write_text(_lines(*items))
-    task = {"name": "picks", "path": str(tmp_path / "picks.jsonl"), "kind": "choice", "chat": False}
-    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1)
+    out.write_text(_lines(*items))
+    return {"name": "picks", "path": str(out), "kind": "choice", "chat": False}
+
+
+def test_the_gate_refuses_a_model_that_regresses_on_a_task(setup, tmp_path):
+    work, data, _ = setup
+    task = _picks_task(work, data, None, tmp_path / "picks.jsonl")
+    cfg = _config(work, tasks=[task], demo_bench=False, bench_max_regression=0.1, registry=str(tmp_path / "reg"))
 
     report = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
     assert report.tasks["picks"].scores["base"] == 1.0
     assert report.tasks["picks"].scores["tuned"] < 0.9, "the other weights happen to pick as the base does"
     refused = sft_promote(config=cfg, data=data, train=_trained(work / "other"))
     assert refused.decision == "kept"
+    assert "bench: no champion yet; compared with the base" in refused.reasons
     assert any(r.startswith("bench picks: accuracy") and "below the base's 100.0%" in r for r in refused.reasons)
+
+
+def test_the_gate_compares_with_the_champion(setup, tmp_path):
+    """The champion ("other" weights) answers every item right, the base less: a candidate with the base's weights
+    does not regress against the base but does against the champion, and is refused, whether sft-bench scored the
+    champion beside it or the gate reads the scores recorded in the champion's card."""
+    from sftflow.tasks.eval.registry import Registry
+
+    work, data, step0 = setup
+    task = _picks_task(work, data, work / "other", tmp_path / "picks.jsonl")
+    rules = {"bench_max_regression": 0.1, "registry": str(tmp_path / "registry")}
+    cfg = _config(work, tasks=[task], demo_bench=False, **rules)
+    recorded_only = _config(work, tasks=[task], demo_bench=False, compare_champion=False, **rules)
+
+    first = sft_bench(config=cfg, data=data, train=_trained(work / "other"))
+    assert first.tasks["picks"].scores["tuned"] == 1.0 and "champion" not in first.models
+    assert first.tasks["picks"].scores["base"] < 0.9, "the base happens to pick as the other weights do"
+    promoted = sft_promote(config=cfg, data=data, train=_trained(work / "other"), bench=first)
+    assert promoted.decision == "promoted", promoted.reasons
+    card = Registry(tmp_path / "registry").champion().card
+    assert card["bench"]["picks"]["score"] == 1.0 and card["bench"]["picks"]["items"] == 5
+    champion = promoted.champion
+
+    scored = sft_bench(config=cfg, data=data, train=step0)
+    picks = scored.tasks["picks"].scores
+    assert picks["champion"] == 1.0 and picks["tuned"] == picks["base"]  # no regression against the base
+    assert "| base | tuned | champion |" in Path(scored.markdown_path).read_text()  # a column of the tables
+    recorded = sft_bench(config=recorded_only, data=data, train=step0)
+    assert "champion" not in recorded.models
+    for bench, compared in [
+        (scored, f"bench: compared with champion {champion}, scored beside the candidate by sft-bench"),
+        (recorded, f"bench: compared with champion {champion}'s recorded scores"),
+    ]:
+        refused = sft_promote(config=cfg, data=data, train=step0, bench=bench)
+        assert refused.decision == "kept" and refused.champion == champion
+        assert compared in refused.reasons
+        assert any(
+            r.startswith("bench picks: accuracy") and f"below the champion {champion}'s 100.0%" in r
+            for r in refused.reasons
+        ), refused.reasons
+
+    # An edited task file: the card's scores are of other items, so the gate says so and compares with the base.
+    items = Path(task["path"]).read_text().splitlines()
+    Path(task["path"]).write_text("\n".join(items[:4]) + "\n")
+    edited = sft_bench(config=recorded_only, data=data, train=step0)
+    again = sft_promote(config=cfg, data=data, train=step0, bench=edited)
+    assert any("no recorded score on the same task files for picks; compared with the base" in r for r in again.reasons)
+    assert not any("below the" in r for r in again.reasons), again.reasons
 
 
 def test_bench_rules_without_tasks_and_yaml_paths(tmp_path):

@@ -106,8 +106,13 @@ def test_choice_scores_equal_the_reference_loop(tmp_path, model, tiny_tokenizer)
         picks.append((max(range(4), key=logliks.__getitem__), logliks))
     # Right answers: the reference's pick for the first three items, another choice for the last two; answers given
     # by index and by text.
+    # Subsets: the first two items "geo" (both right), the next two "math" (one right), the last none ("other").
+    subsets = ["geo", "geo", "math", "math", None]
     items = [
-        _mc(q, choices, pick if i < 3 else (pick + 1) % 4, by_text=i % 2 == 1)
+        {
+            **_mc(q, choices, pick if i < 3 else (pick + 1) % 4, by_text=i % 2 == 1),
+            **({"subset": subsets[i]} if subsets[i] else {}),
+        }
         for i, (q, (pick, _)) in enumerate(zip(QUESTIONS, picks, strict=True))
     ]
     path = _write(tmp_path / "mc.jsonl", items)
@@ -119,6 +124,11 @@ def test_choice_scores_equal_the_reference_loop(tmp_path, model, tiny_tokenizer)
     )
     assert result.metric == "accuracy"
     assert result.scores == {"base": pytest.approx(3 / 5), "tuned": pytest.approx(3 / 5)}
+    assert result.subsets == {
+        "geo": {"items": 2, "scores": {"base": 1.0, "tuned": 1.0}},
+        "math": {"items": 2, "scores": {"base": 0.5, "tuned": 0.5}},
+        "other": {"items": 1, "scores": {"base": 0.0, "tuned": 0.0}},
+    }
     for sample, (pick, logliks) in zip(result.samples, picks, strict=True):
         assert sample["tuned"]["choice"] == choices[pick]
         assert sample["tuned"]["loglikelihoods"] == pytest.approx(logliks, abs=1e-4)
@@ -151,6 +161,7 @@ def test_few_shot_prompts_are_solved_turns_before_the_question(tmp_path, tiny_to
         ("generate", '{"answer": "4"}', ":2: field 'question' must be a non-empty string"),
         ("generate", '{"question": "q", "answer": ["4"]}', ":2: field 'answer' must be a string"),
         ("generate", "[1, 2]", ":2: not a JSON object"),
+        ("generate", '{"question": "q", "answer": "4", "subset": 3}', ":2: field 'subset' must be a non-empty"),
         ("choice", '{"question": "q", "choices": ["a"], "answer": 0}', ":2: field 'choices' must be a list"),
         ("choice", '{"question": "q", "choices": ["a", "b"], "answer": 2}', ":2: field 'answer' is 2; expected"),
         ("choice", '{"question": "q", "choices": ["a", "b"], "answer": "c"}', ":2: field 'answer' must be the right"),
