@@ -208,7 +208,7 @@ def test_a_lone_surrogate_is_a_located_reject_or_error_naming_its_field(tmp_path
 
     array = tmp_path / "data.json"
     array.write_text(f"[{json.dumps(RECORD)}, {bad}]")
-    with pytest.raises(ValueError, match=rf"^{array}:1: messages\[1\].content holds a lone surrogate"):
+    with pytest.raises(ValueError, match=rf"^{array}:record 2: messages\[1\].content holds a lone surrogate"):
         render_source(array, tmp_path / "y.jsonl", RenderConfig(), template)
 
 
