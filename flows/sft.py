@@ -1,6 +1,7 @@
 """The `sft` flow: sft-data → sft-plan → sft-train → sft-eval (→ sft-bench) (→ sft-promote) (→ track), each stage
 also a flow of its own; `track` sends the finished run to the trackers the config names (its step metrics reach
-them while it trains, `sftflow.tasks.track.live`). `sft-bench` runs where the config names benchmark tasks.
+them while it trains, `sftflow.tasks.track.live`). `sft-bench` runs where the config names benchmark tasks, and
+`sft-check` first where `check.before_train` is set.
 
 Every stage is cached on content: a rerun with the same inputs is Cached end to end; editing the chat template
 reruns data and everything after it; changing only the learning rate reruns train and eval. `force` names stages to
@@ -15,6 +16,7 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.bench import sft_bench
+from sftflow.flows.check import sft_check
 from sftflow.flows.config import SFTConfig, bench_config, resolve_config
 from sftflow.flows.data import DataResult, sft_data
 from sftflow.flows.eval import sft_eval
@@ -65,6 +67,8 @@ def sft(
         raise ValueError(f"force: unknown stage(s) {unknown}; expected some of {list(STAGES)}")
     cfg = resolve_config(config_path, config, learning_rate, max_steps, epochs)
     with work_dir_lock(Path(cfg.work_dir).resolve()):
+        if cfg.check.before_train:  # a gate, not a stage: it runs each time, and a failed check stops the run here
+            sft_check(config=cfg)
         data = sft_data(config=cfg, force="data" in force)
         plan = sft_plan(config=cfg, force="plan" in force, data=data)
         with progress_in_parent_log():

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class CheckConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    before_train: bool = Field(
+        False, description="run the checks in the `sft` flow before its stages, and stop there when one fails"
+    )
     docs: int = Field(8, ge=1, description="documents sampled from the start of the sources (spread over them)")
     max_tokens: int = Field(
         4096, ge=2, description="tokens in the packed row the loss check builds (documents past it are left out)"

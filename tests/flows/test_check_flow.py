@@ -40,3 +40,32 @@ def test_sft_check_completes_with_its_table_and_fails_on_a_failed_check(tmp_path
         assert row.split()[5:7] == ["FAIL", "0/4"], row
     else:
         raise AssertionError("a failed check did not fail the flow run")
+
+
+def test_sft_with_check_before_train_stops_at_a_failed_check(tmp_path, tiny_tokenizer_dir):
+    """`check.before_train` runs the checks as the `sft` flow's first step: a failed one fails the run before the
+    data stage writes anything."""
+    from sftflow.flows.sft import sft
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(CONVERSATIONS[n]) + "\n" for n in ("multi_turn", "unicode")))
+    (tmp_path / "stop_outside.jinja").write_text(STOP_OUTSIDE)
+    raw = {
+        "work_dir": str(tmp_path / "work"),
+        "data": {
+            "sources": [str(source)],
+            "tokenizer": str(tiny_tokenizer_dir),
+            "render": {"template": str(tmp_path / "stop_outside.jinja")},
+        },
+        "train": {"model": str(save_family_model("qwen3", 400, tmp_path / "model"))},
+        "check": {"device": "cpu", "steps": 0, "before_train": True},
+    }
+    state = sft(config=SFTConfig.model_validate(raw), return_state=True)
+    assert state.is_failed()
+    try:
+        state.result()
+    except ChecksFailed as err:
+        assert "one stop per trained turn" in str(err)
+    else:
+        raise AssertionError("a failed check did not fail the sft run")
+    assert not (tmp_path / "work" / "data.json").exists()
