@@ -59,9 +59,12 @@ def _item_texts(path: Path, line_number: int, record: object, fields: Sequence[s
         if value is None:
             continue
         values = value if isinstance(value, list) else [value]
-        if not all(isinstance(v, str) for v in values):
-            raise ValueError(f"{where}: field '{name}' must be a string or a list of strings for decontamination")
-        texts += values
+        # A number is read as its text: a numeric answer, or a choice task's answer index (sft-bench's own files).
+        if not all(isinstance(v, str) or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values):
+            raise ValueError(
+                f"{where}: field '{name}' must be a string, a number or a list of them for decontamination"
+            )
+        texts += [v if isinstance(v, str) else str(v) for v in values]
     if not any(name in record for name in fields):
         raise ValueError(
             f"{where}: none of the fields {list(fields)} is in this record (it has {sorted(record)}); name its text "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_bad_benchmark_records_are_named_by_file_line_and_field(tmp_path):
     config = DecontamConfig(action="drop", benchmarks=["b.jsonl"])
     bad = [
         ('{"question": "q"}\n{"prompt": "p"}\n', r"b\.jsonl:2: none of the fields .* \(it has \['prompt'\]\)"),
-        ('{"question": 3}\n', r"b\.jsonl:1: field 'question' must be a string or a list of strings"),
+        ('{"question": true}\n', r"b\.jsonl:1: field 'question' must be a string, a number or a list of them"),
         ('\n{"text": "a"}\n{oops\n', r"b\.jsonl:3: not valid JSON"),
     ]
     for text, message in bad:
@@ -117,3 +118,17 @@ def test_benchmark_paths_in_a_run_config_are_relative_to_it(tmp_path):
     assert index.reads_text and not IndexConfig().reads_text
     with pytest.raises(ValueError, match=r"'data.index.near_dedup.threshold': Input should be less than or equal to 1"):
         load_config(tmp_path / "run.yaml", {"data.index.near_dedup.threshold": "1.5"})
+
+
+def test_sft_bench_task_files_serve_as_benchmark_files(tmp_path):
+    """A choice task's answer is an index and a generate task's may be a number: read as their text, so the same task
+    files that sft-bench scores decontaminate the training data."""
+    from sftflow.tasks.demo import write_demo_bench
+
+    paths = write_demo_bench(tmp_path / "bench")
+    assert any(isinstance(json.loads(line)["answer"], int) for line in paths["capitals"].read_text().splitlines())
+    config = DecontamConfig(action="flag", benchmarks=[str(p) for p in paths.values()], ngram=3)
+    ngrams = benchmark_ngrams(list(paths.values()), config, tmp_path / "cache")
+    assert ngrams.counts["items"] == sum(len(p.read_text().splitlines()) for p in paths.values())
+    question = json.loads(paths["capitals"].read_text().splitlines()[0])["question"]
+    assert Decontaminator(ngrams, config).check(WordHasher().text(f"Here it is: {question}"))
