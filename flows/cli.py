@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import typing
 from contextlib import contextmanager
 from pathlib import Path
@@ -358,10 +357,6 @@ def plan(
             f"plan: {plan_stats.num_steps} steps of {row_tokens:,}-token rows, efficiency "
             f"{plan_stats.efficiency:.2%} → {out}"
         )
-
-
-def main() -> None:  # pragma: no cover
-    app(sys.argv[1:])
 
 
 @command()
