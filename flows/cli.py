@@ -407,6 +407,7 @@ def train(
     folder (no Prefect: `sftflow run` is the cached, retried pipeline). With `track:` in the config, the step
     metrics go to the trackers while it trains."""
     _quiet_defaults()
+    from sftflow.tasks.core.disk_full import DiskFull
     from sftflow.tasks.train.config import TrainConfig
     from sftflow.tasks.train.launch import train as run_train
 
@@ -427,7 +428,14 @@ def train(
         from sftflow.tasks.track.live import live_tracker
 
         live = live_tracker(cfg.track, work, finish=True)
-    typer.echo(run_train(config, live=live).model_dump_json(indent=2))
+    try:
+        result = run_train(config, live=live)
+    except DiskFull as err:
+        if not err.rerun or "resumes from" not in err.rerun:
+            raise
+        # `sftflow run` resumes by itself; this command resumes only when asked.
+        raise DiskFull(err.path, err.doing, f"{err.rerun} with --resume") from err
+    typer.echo(result.model_dump_json(indent=2))
 
 
 def _data_result(data: Path):

@@ -117,7 +117,7 @@ cp {run}/metrics.jsonl {kept}/resumed-metrics.jsonl
     errors = _error_lines(result.stderr)
     assert errors[0] == (
         f"error: {run}/checkpoints/step-6: no space left on device while writing checkpoint step-6; free space and "
-        "rerun: it resumes from step-3"
+        "rerun: it resumes from step-3 with --resume"
     )
     assert f"run dir: {run}" in result.stderr
     assert (kept / "checkpoints" / "latest").read_text().strip() == "step-3"  # the data stayed safe
