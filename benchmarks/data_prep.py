@@ -44,6 +44,18 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
+def hf_loop_tokens(tokenizer, conversations) -> int:
+    """The baseline as its users run it: `apply_chat_template` with the assistant mask, one conversation at a time;
+    returns the tokens it made."""
+    tokens = 0
+    for messages in conversations:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        tokens += len(out["input_ids"])
+    return tokens
+
+
 def _generated(path: Path, count: int = 1000) -> Path:
     rng = random.Random(0)
     words = "the answer is a number café 日本語 🙂 reverse string hello world tool call".split()
@@ -152,12 +164,7 @@ def main() -> None:
     base_s = float("inf")
     for _ in range(args.repeats):
         start = time.perf_counter()
-        baseline_tokens = 0
-        for messages in conversations:
-            out = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            baseline_tokens += len(out["input_ids"])
+        baseline_tokens = hf_loop_tokens(tokenizer, conversations)
         base_s = min(base_s, time.perf_counter() - start)
 
     n = render_stats.rendered
@@ -264,12 +271,7 @@ def flow_main(args) -> None:
         except RecordError:
             pass
     start = time.perf_counter()
-    baseline_tokens = 0
-    for messages in conversations:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        baseline_tokens += len(out["input_ids"])
+    baseline_tokens = hf_loop_tokens(tokenizer, conversations)
     base_s = time.perf_counter() - start
     load_after = os.getloadavg()
 
