@@ -56,13 +56,13 @@ for s in $STEPS; do
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
-    tests_families) step "$s" 480 python3 -m pytest -q tests/tasks/test_families.py -k flash_attn_4 -p no:cacheprovider ;;
-    tests_families_a) step "$s" 300 python3 -m pytest -q tests/tasks/test_families.py -p no:cacheprovider \
+    tests_families) step "$s" 480 python3 -m pytest -q tests/tasks/train/test_families.py -k flash_attn_4 -p no:cacheprovider ;;
+    tests_families_a) step "$s" 300 python3 -m pytest -q tests/tasks/train/test_families.py -p no:cacheprovider \
       -k "flash_attn_4 and (phi4_mini or mistral or gemma3)" ;;
-    tests_families_b) step "$s" 300 python3 -m pytest -q tests/tasks/test_families.py -p no:cacheprovider \
+    tests_families_b) step "$s" 300 python3 -m pytest -q tests/tasks/train/test_families.py -p no:cacheprovider \
       -k "flash_attn_4 and (qwen2_5 or qwen3_moe or smollm3)" ;;
-    tests_gpu_other) step "$s" 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tasks/test_activations.py \
-      tests/tasks/test_single_device.py ;;
+    tests_gpu_other) step "$s" 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tasks/train/test_activations.py \
+      tests/tasks/train/test_single_device.py ;;
     *) echo "unknown step $s" | tee -a "$LOG/progress.txt" ;;
   esac
 done

@@ -363,7 +363,7 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 def layer_windows(config) -> list[int | None]:
     """Each decoder layer's sliding window (None: full causal attention), as the model applies it: by `layer_types`
     where the config has them (Qwen2/3, Gemma 3, SmolLM3), else `sliding_window` on every layer (Mistral, Phi-3).
-    For FLOP counts; `tests/tasks/test_families.py` holds it to the windows the layers hand the attention."""
+    For FLOP counts; `tests/tasks/train/test_families.py` holds it to the windows the layers hand the attention."""
     window = getattr(config, "sliding_window", None)
     window = int(window) if window else None
     types = getattr(config, "layer_types", None)

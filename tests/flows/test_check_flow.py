@@ -8,9 +8,9 @@ import json
 from sftflow.flows.check import ChecksFailed, sft_check
 from sftflow.flows.config import SFTConfig
 from tests.flows.test_train_resume import _artifact_keys
+from tests.tasks.check.test_check import STOP_OUTSIDE
+from tests.tasks.data.test_spans import CONVERSATIONS
 from tests.tasks.family_configs import save_family_model
-from tests.tasks.test_check import STOP_OUTSIDE
-from tests.tasks.test_spans import CONVERSATIONS
 
 
 def test_sft_check_completes_with_its_table_and_fails_on_a_failed_check(tmp_path, tiny_tokenizer_dir):

@@ -111,7 +111,7 @@ def test_a_rerun_removes_what_a_killed_writer_of_the_stage_left_in_its_folder(tm
     import os
     import socket
 
-    from tests.tasks.test_leftovers import killed_writer_leftover
+    from tests.tasks.core.test_leftovers import killed_writer_leftover
 
     work = tmp_path / "work"
     source = _source(tmp_path)

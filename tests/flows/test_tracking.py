@@ -375,7 +375,7 @@ def test_step_metrics_reach_mlflow_and_tensorboard_while_training_runs(mlflow_se
     def watch():
         try:
             _freeze_training_until_mlflow_has_its_steps(tmp_path, mlflow_server, seen)
-        except Exception as err:  # noqa: BLE001 -- reported by the test thread
+        except Exception as err:
             errors.append(err)
 
     watcher = threading.Thread(target=watch, daemon=True)

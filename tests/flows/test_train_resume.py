@@ -3,22 +3,16 @@ retry resumes from `latest`, and the final weights are bit-identical to an unint
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tasks"))
-
-from train_helpers import losses, metrics, planned_mock, read_safetensors  # noqa: E402
-
 from sftflow.tasks.core.manifests import TrainResult
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
-from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.launch import train  # noqa: E402
-from sftflow.tasks.train.stage import train_task  # noqa: E402
-from tests.flows.conftest import run_counts  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.launch import train
+from sftflow.tasks.train.stage import train_task
+from tests.flows.conftest import run_counts
+from tests.tasks.train_helpers import losses, metrics, planned_mock, read_safetensors
 
 pytestmark = pytest.mark.slow
 

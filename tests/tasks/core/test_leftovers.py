@@ -110,7 +110,7 @@ def test_a_rerun_export_removes_a_linked_staging_folder_as_a_link(tmp_path):
     """An export (a rerun, or a forced one) starts by removing what a killed export left in `.hf.writing`; when that
     is a link to a folder elsewhere, the link goes and the folder keeps its files."""
     from sftflow.tasks.train.export import export_hf
-    from tests.tasks.test_export import _model
+    from tests.tasks.train.test_export import _model
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import family_config  # noqa: E402
-from train_helpers import losses, planned_mock, read_dcp, run  # noqa: E402
-
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
-from sftflow.tasks.train.config import LoraSettings, TrainConfig  # noqa: E402
-from sftflow.tasks.train.quantize import nf4_refusal  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.train.config import LoraSettings, TrainConfig
+from sftflow.tasks.train.quantize import nf4_refusal
+from tests.tasks.family_configs import family_config
+from tests.tasks.train_helpers import losses, planned_mock, read_dcp, run
 
 VOCAB = 101
 LORA = {"rank": 4, "alpha": 8.0}

@@ -3,19 +3,15 @@ tokenizer, and the model's embeddings and head grow to match, new rows starting 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import save_family_model  # noqa: E402
-
-from sftflow.tasks.core.fingerprint import sha256_tree  # noqa: E402
-from sftflow.tasks.data.render import RenderConfig  # noqa: E402
-from sftflow.tasks.data.stage import TokenizerRef, with_template_tokens  # noqa: E402
+from sftflow.tasks.core.fingerprint import sha256_tree
+from sftflow.tasks.data.render import RenderConfig
+from sftflow.tasks.data.stage import TokenizerRef, with_template_tokens
+from tests.tasks.family_configs import save_family_model
 
 
 def _ref(path: Path) -> TokenizerRef:
@@ -61,10 +57,10 @@ def test_grown_embeddings_start_at_the_mean_of_the_old_rows(name, tmp_path):
 
 @pytest.mark.slow
 def test_training_with_added_tokens_grows_the_model_and_exports_it(tmp_path, tiny_tokenizer_dir):
-    from train_helpers import losses, planned_mock, run
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sftflow.tasks.plan.planner import PlanConfig
+    from tests.tasks.train_helpers import losses, planned_mock, run
 
     grown = with_template_tokens(RenderConfig(template="gemma"), _ref(tiny_tokenizer_dir), tmp_path)
     vocab = len(AutoTokenizer.from_pretrained(grown.path))
@@ -81,9 +77,8 @@ def test_training_with_added_tokens_grows_the_model_and_exports_it(tmp_path, tin
 
 def test_lora_on_a_grown_vocabulary_is_refused_before_launch(tmp_path, tiny_tokenizer_dir):
     """Frozen embeddings could never learn the added tokens: refused with the way out, before torchrun starts."""
-    from train_helpers import planned_mock, run
-
     from sftflow.tasks.plan.planner import PlanConfig
+    from tests.tasks.train_helpers import planned_mock, run
 
     folder = save_family_model("qwen3", 97, tmp_path / "base")
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)

@@ -8,7 +8,6 @@ ranks). Everything else (multi-node, resharding, selective loading) starts from 
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from pathlib import Path
 
@@ -17,10 +16,11 @@ import pytest
 import torch
 
 from sftflow.flows.local_api import free_port
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from train_helpers import (  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.launch import train
+from sftflow.tasks.train.mock import MockDataset, write_mock_index
+from tests.tasks.train_helpers import (
     losses,
     metrics,
     mock_config,
@@ -32,11 +32,6 @@ from train_helpers import (  # noqa: E402
     run,
     write_plan,
 )
-
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
-from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.launch import train  # noqa: E402
-from sftflow.tasks.train.mock import MockDataset, write_mock_index  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +150,7 @@ def test_two_nodes_match_one_node_with_two_processes(setup, run2):
     def node(rank: int) -> None:
         try:
             run(base, out, nnodes=2, node_rank=rank, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="two-nodes")
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]

@@ -11,7 +11,7 @@ import pytest
 from sftflow.tasks.data.bpe_fast import FastBPE
 from sftflow.tasks.data.records import RenderedDoc
 from sftflow.tasks.data.spans import SpansConfig, tokenize_docs, tokenize_rendered_shard
-from tests.tasks.test_bpe_fast import FIXED, PIECES
+from tests.tasks.data.test_bpe_fast import FIXED, PIECES
 
 CHAT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n  The answer is 42.<|im_end|>\n"
 ODD = "".join(PIECES)

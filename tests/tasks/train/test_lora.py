@@ -3,19 +3,13 @@ packed rows, checkpointed alone, resumed, and exported in PEFT's format."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import save_family_model  # noqa: E402
-from train_helpers import losses, planned_mock, read_dcp, resume_from, run  # noqa: E402
-
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
-from sftflow.tasks.train.config import LoraSettings, TrainConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from sftflow.tasks.train.config import LoraSettings, TrainConfig
+from tests.tasks.family_configs import save_family_model
+from tests.tasks.train_helpers import losses, planned_mock, read_dcp, resume_from, run
 
 pytestmark = pytest.mark.slow
 

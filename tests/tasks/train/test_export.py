@@ -5,17 +5,13 @@ same way past the shard size, and the first shard is on disk before the last gro
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import family_config  # noqa: E402
-
-from sftflow.tasks.train.export import export_hf, export_streamed, saved_tensor_names, tensor_groups  # noqa: E402
+from sftflow.tasks.train.export import export_hf, export_streamed, saved_tensor_names, tensor_groups
+from tests.tasks.family_configs import family_config
 
 VOCAB = 101
 FAMILIES = ["llama3_untied", "llama3_tied", "qwen3_moe", "gemma3", "phi3", "smollm3"]

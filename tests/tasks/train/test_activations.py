@@ -4,14 +4,10 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))  # family_configs
 
 from sftflow.tasks.train.activations import (
     ELEMENTWISE_BUDGET,
@@ -505,7 +501,7 @@ def _saved_and_backward(
         config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=896, num_hidden_layers=1,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
     else:
-        from family_configs import family_config
+        from tests.tasks.family_configs import family_config
 
         config = family_config(family, 64)
         config.num_hidden_layers = 1
@@ -649,7 +645,7 @@ def test_every_family_recomputes_only_elementwise_ops_at_the_budget_auto_sets(fa
 
     full, full_ops, full_grads = _saved_and_backward(1.0, family=family)
     less, less_ops, less_grads = _saved_and_backward(ELEMENTWISE_BUDGET, family=family)
-    from family_configs import family_config
+    from tests.tasks.family_configs import family_config
 
     config = family_config(family, 64)
     assert less / full <= kept_share(config, ELEMENTWISE_BUDGET) < 1

@@ -13,7 +13,7 @@ from sftflow.tasks.train.activations import fits, max_row_tokens, state_bytes
 from sftflow.tasks.train.capacity import GIB, row_capacity
 from sftflow.tasks.train.config import LoraSettings, TrainOptions
 
-LLAMA8B = str(Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "llama-3.1-8b.json")
+LLAMA8B = str(Path(__file__).resolve().parents[3] / "benchmarks" / "workloads" / "llama-3.1-8b.json")
 H200 = 139.3
 
 

@@ -18,12 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import family_config  # noqa: E402
-
-from sftflow.tasks.train.model import build_training_model  # noqa: E402
-from sftflow.tasks.train.weights import StackedExperts, checkpoint_sources, materialize  # noqa: E402
+from sftflow.tasks.train.model import build_training_model
+from sftflow.tasks.train.weights import StackedExperts, checkpoint_sources, materialize
+from tests.tasks.family_configs import family_config
 
 VOCAB = 101
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"

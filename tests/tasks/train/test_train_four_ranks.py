@@ -4,16 +4,11 @@ rank on the same plan, and a checkpoint saved on 4 ranks resumes on 2 (DCP resha
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from train_helpers import losses, metrics, planned_mock, rel, run  # noqa: E402
-
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from tests.tasks.train_helpers import losses, metrics, planned_mock, rel, run
 
 pytestmark = pytest.mark.slow
 

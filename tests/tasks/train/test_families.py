@@ -15,13 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from family_configs import FAMILY_CONFIGS, family_config, save_family_model  # noqa: E402
-
-from sftflow.tasks.train.collate import collate, packed_collator  # noqa: E402
-from sftflow.tasks.train.families import check_config, family_of, router_aux_loss_coef  # noqa: E402
-from sftflow.tasks.train.model import CausalLMLoss, build_model, model_batch  # noqa: E402
+from sftflow.tasks.train.collate import collate, packed_collator
+from sftflow.tasks.train.families import check_config, family_of, router_aux_loss_coef
+from sftflow.tasks.train.model import CausalLMLoss, build_model, model_batch
+from tests.tasks.family_configs import FAMILY_CONFIGS, family_config, save_family_model
 
 VOCAB = 101
 # Longer than every test window (8), so windows cut; a 1-token document; loss spans that start at token 0 (never a
@@ -220,11 +217,11 @@ def test_two_rank_fsdp_training_from_the_folder_matches_hf_and_exports_what_it_t
     """`train` (torchrun, 2 gloo ranks, FSDP2, the checkpoint read shard by shard): the first step's loss and
     gradients equal Hugging Face's eager forward per document, and the exported folder reloads with the trained
     weights and the input's config."""
-    from train_helpers import losses, planned_mock, read_dcp, read_safetensors, run
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sftflow.tasks.plan.planner import PlanConfig
     from sftflow.tasks.train.data import load_plan, plan_row
+    from tests.tasks.train_helpers import losses, planned_mock, read_dcp, read_safetensors, run
 
     folder = save_family_model(name, VOCAB, tmp_path / "model")
     plan_config = PlanConfig(num_ranks=2, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)
@@ -260,10 +257,10 @@ def test_two_rank_fsdp_training_from_the_folder_matches_hf_and_exports_what_it_t
 
 
 def test_the_launcher_refuses_such_a_model_before_starting_any_worker(tmp_path):
-    from train_helpers import planned_mock, run
     from transformers import AutoConfig
 
     from sftflow.tasks.plan.planner import PlanConfig
+    from tests.tasks.train_helpers import planned_mock, run
 
     AutoConfig.for_model("gemma2", vocab_size=VOCAB, final_logit_softcapping=30.0).save_pretrained(tmp_path / "gemma2")
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0)
@@ -280,10 +277,9 @@ def test_compiled_layers_on_a_gpu_train_what_hf_computes(name, tmp_path):
     """The GPU path users get: one device (no FSDP), compiled decoder layers with the Triton attention op and the
     T-major RoPE inside their graphs, windows and partial RoPE included; in fp32, so that it is held to the eager
     per-document reference as tightly as on the CPU."""
-    from train_helpers import losses, planned_mock, read_safetensors, run
-
     from sftflow.tasks.plan.planner import PlanConfig
     from sftflow.tasks.train.data import load_plan, plan_row
+    from tests.tasks.train_helpers import losses, planned_mock, read_safetensors, run
 
     folder = save_family_model(name, VOCAB, tmp_path / "model")
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=1, seed=0)
@@ -319,10 +315,9 @@ def test_flash_attn_4_in_bf16_compiled_layers_trains_what_hf_computes(name, tmp_
     it)."""
     import logging
 
-    from train_helpers import losses, planned_mock, read_safetensors, run
-
     from sftflow.tasks.plan.planner import PlanConfig
     from sftflow.tasks.train.data import load_plan, plan_row
+    from tests.tasks.train_helpers import losses, planned_mock, read_safetensors, run
 
     folder = save_family_model(name, VOCAB, tmp_path / "model", head_dim=32)
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=1, seed=0)

@@ -7,15 +7,11 @@ The plan is made for 2 ranks with one micro-batch each, so a one-process run tra
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from train_helpers import (  # noqa: E402
+from sftflow.tasks.plan.planner import PlanConfig
+from tests.tasks.train_helpers import (
     losses,
     metrics,
     planned_mock,
@@ -25,8 +21,6 @@ from train_helpers import (  # noqa: E402
     resume_from,
     run,
 )
-
-from sftflow.tasks.plan.planner import PlanConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

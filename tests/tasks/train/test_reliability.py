@@ -16,21 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from train_helpers import losses, mock_config, planned_mock, run  # noqa: E402
-
-from sftflow.tasks.core.atomic import atomic_writer, write_atomic  # noqa: E402
-from sftflow.tasks.core.caching import outputs_valid, retry_on_io_error, write_checksums  # noqa: E402
-from sftflow.tasks.data.index import build_index  # noqa: E402
-from sftflow.tasks.data.pbin import write_pbin  # noqa: E402
-from sftflow.tasks.data.reader import IndexedDataset  # noqa: E402
-from sftflow.tasks.data.records import TokenizedDoc  # noqa: E402
-from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan  # noqa: E402
-from sftflow.tasks.train.checkpoint import prune_checkpoints  # noqa: E402
-from sftflow.tasks.train.config import TrainConfig  # noqa: E402
-from sftflow.tasks.train.launch import train  # noqa: E402
-from sftflow.tasks.train.mock import write_mock_index  # noqa: E402
+from sftflow.tasks.core.atomic import atomic_writer, write_atomic
+from sftflow.tasks.core.caching import outputs_valid, retry_on_io_error, write_checksums
+from sftflow.tasks.data.index import build_index
+from sftflow.tasks.data.pbin import write_pbin
+from sftflow.tasks.data.reader import IndexedDataset
+from sftflow.tasks.data.records import TokenizedDoc
+from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan
+from sftflow.tasks.train.checkpoint import prune_checkpoints
+from sftflow.tasks.train.config import TrainConfig
+from sftflow.tasks.train.launch import train
+from sftflow.tasks.train.mock import write_mock_index
+from tests.tasks.train_helpers import losses, mock_config, planned_mock, run
 
 pytestmark = pytest.mark.slow
 
@@ -408,7 +405,7 @@ def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(
 def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base, three_steps):
     """The schedule spans the plan: stopping at step 3 and resuming to step 6 gives the learning rates (and losses)
     of one run to step 6, and both follow the curve of the whole plan (it used to be squeezed into max_steps)."""
-    from train_helpers import metrics
+    from tests.tasks.train_helpers import metrics
 
     root, config = base
     straight, split = root / "lr-straight", root / "lr-split"

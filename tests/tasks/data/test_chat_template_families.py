@@ -15,7 +15,7 @@ from jinja2.exceptions import TemplateError
 from sftflow.tasks.data.chat_template import builtin_template_text, load_template
 from sftflow.tasks.data.template_clock import fixed_clock
 from sftflow.tasks.data.template_match import PROBES, renders_alike
-from tests.tasks.test_chat_template import _auto_pick, _tokenizer_with, _untagged
+from tests.tasks.data.test_chat_template import _auto_pick, _tokenizer_with, _untagged
 
 DAY = datetime(2025, 2, 3, 23, 59, 59)
 _GET_WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {}}}]

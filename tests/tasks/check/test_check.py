@@ -21,8 +21,8 @@ from sftflow.tasks.check.sample import sample_docs, sample_records
 from sftflow.tasks.check.template import ids_and_masks_match_hf, ids_match_own_template, one_stop_per_trained_turn
 from sftflow.tasks.data.render import RenderConfig, resolve_template
 from sftflow.tasks.data.spans import SpansConfig, mask_to_spans
+from tests.tasks.data.test_spans import CONVERSATIONS
 from tests.tasks.family_configs import FAMILY_CONFIGS, save_family_model
-from tests.tasks.test_spans import CONVERSATIONS
 
 # A ChatML template whose generation block leaves the assistant's <|im_end|> out: Hugging Face's mask agrees with it
 # (the tags say so), and the model would never learn to stop.
