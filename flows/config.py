@@ -337,7 +337,10 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
     for error in errors:
         loc = [str(part) for part in error["loc"]]
         where = ".".join(loc)
-        if error["type"] == "extra_forbidden":
+        moved = _moved_key(model, loc)
+        if error["type"] == "extra_forbidden" and moved is not None:
+            problems.append(f"'{where}' is now '{moved}'")
+        elif error["type"] == "extra_forbidden":
             valid = _field_names(model, loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.6)
             if close:
@@ -348,6 +351,12 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
         else:
             problems.append(f"'{where}': {error['msg']}" if where else error["msg"])
     return "; ".join(problems)
+
+
+def _moved_key(model: type[BaseModel], loc: list[str]) -> str | None:
+    """The key that replaced the removed key at `loc` (its section's `moved_keys`), or None."""
+    section = _model_at(model, loc[:-1])
+    return getattr(section, "moved_keys", {}).get(loc[-1]) if section is not None and loc else None
 
 
 def _relative_to(config_path: Path, value: str) -> Path:

@@ -66,8 +66,12 @@ class SpansConfig(BaseModel):
 
     bos: Literal["auto", "never"] = "auto"
     eos: Literal["auto", "always", "never"] = "auto"
-    max_length: int | None = Field(default=None, ge=1)
-    length_policy: Literal["drop", "truncate"] = "drop"
+    max_length: int | None = Field(
+        default=None, ge=1, description="longest document in tokens; a longer one is dropped or truncated"
+    )
+    length_policy: Literal["drop", "truncate"] = Field(
+        default="drop", description="a document over max_length: drop it, or cut it to max_length tokens"
+    )
     batch_size: int = Field(default=256, ge=1)
     tokenizer_backend: Literal["auto", "hf", "tiktoken"] = "auto"
 
