@@ -7,7 +7,8 @@
 #
 # STEPs (default: all, in this order): tests_fa4 train_16k train_32k_long attention_packed attention_long
 # tests_families train_32k_long_triton tests_gpu_other; also train_64k_long (64k rows against the peer with
-# checkpointing). Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
+# checkpointing) and train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100).
+# Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
 # benchmarks/RESULTS.md with the date, GPU and versions.
@@ -52,7 +53,9 @@ for s in $STEPS; do
     train_16k_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 100 --out "$LOG/$s" ;;
     train_32k_long_peer) step "$s" 300 $TT --modes D,Cn@fa4 --steps 40 $LONG32 --out "$LOG/$s" ;;
     train_32k_long) step "$s" 590 $TT --modes D,Cn@fa4 --steps 100 $LONG32 --out "$LOG/$s" ;;
-    train_64k_long) step "$s" 590 $TT --modes D,Cnac@fa4 --steps 40 $LONG64 --out "$LOG/$s" ;;
+    train_64k_long) step "$s" 590 $TT --modes D,Cnac@fa4 --steps 100 --profile-steps 0 $LONG64 --out "$LOG/$s" ;;
+    train_8b_lora_16k) step "$s" 590 $TT --preset llama8b --modes L,Lpac@fa4 --steps 100 --compile-warmup 6 --warmup 3 \
+      --profile-steps 0 --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;

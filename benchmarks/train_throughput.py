@@ -42,7 +42,8 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
 - **Df**: D with `parallel="fsdp"` (FSDP2 at world size 1 and torch's fused AdamW, D before the one-device path).
 - **L** / **Lp**: LoRA, rank 16 on every linear layer of the decoder: L is D with `train.lora` (the worker's
   `apply_lora`, frozen bf16 base, fp32 adapters and their fused AdamW); Lp is the common peer setup (`mode_lora_peer`:
-  `peft.get_peft_model` on the bf16 model, autocast, torch `varlen_attn`, Liger's fused CE, compiled layers).
+  `peft.get_peft_model` on the bf16 model, autocast, torch `varlen_attn`, Liger's fused CE, compiled layers);
+  **Lpac** is Lp with gradient checkpointing on every layer, what its users turn on when Lp does not fit.
 - **Q**: QLoRA, L with `train.quantize: nf4` (the frozen base's linear layers in bitsandbytes NF4 with double
   quantisation, bf16 compute, the 4-bit matmuls outside the compiled graphs; `sftflow.tasks.train.quantize`).
 - **Dsel** / **Dac**: D with `activation_checkpointing` `selective` (every second layer) / `full` (every layer), what
@@ -166,7 +167,7 @@ PRESETS = {
 }
 PAD_ID = 0
 CRASH_SHIM = Path(__file__).resolve().parents[1] / "tests" / "crash_shim"
-MODES = ("A", "B", "C", "Cl", "Cn", "Cnac", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
+MODES = ("A", "B", "C", "Cl", "Cn", "Cnac", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Lpac", "Q")
 MULTI_GPU_MODES = {"B", "C", "Cac", "Clac"}  # the FSDP baselines, under torchrun --nproc-per-node N
 COUNTED_MODE = re.compile(r"D(\d+)(?:b(\d*\.?\d+))?")  # D<N>[b<budget>]: N checkpointed layers, that budget
 LORA_RANK = 16  # on every linear layer of the decoder, alpha = 2 * rank
@@ -761,7 +762,7 @@ class Bench:
         return result
 
     # -- Lp: LoRA as its users run it -----------------------------------------------------------------------------
-    def mode_lora_peer(self) -> dict:
+    def mode_lora_peer(self, checkpointing: bool = False) -> dict:
         """LoRA the common way on one GPU: the Hugging Face model in bf16, `peft.get_peft_model` (rank 16 on all linear
         layers, adapters in fp32), bf16 autocast, the packed rows with torch `varlen_attn`, Liger's fused linear CE,
         compiled decoder layers, no FSDP, torch's fused AdamW over the adapters."""
@@ -779,6 +780,8 @@ class Bench:
         get_peft_model(lm, peft_config)  # injects the adapters into `lm` in place and freezes the rest
         torch._dynamo.reset()
         compile_layers(lm)
+        if checkpointing:  # what peft users turn on when the model does not fit: every decoder layer, non-reentrant
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         root = LigerRoot(lm, device)
         trained = [p for p in root.parameters() if p.requires_grad]
         c = self.optim_c
@@ -793,10 +796,12 @@ class Bench:
 
         extra = {
             "what": f"peft LoRA r{LORA_RANK} all-linear on a bf16 model, bf16 autocast, {attention}, {root.loss_name}, "
-            "compiled layers (dynamic), no FSDP",
+            "compiled layers (dynamic), "
+            + ("gradient checkpointing (every layer), " if checkpointing else "")
+            + "no FSDP",
             "trained_params": sum(p.numel() for p in trained),
         }
-        result = self.timed("Lp", step, warmup, args.steps, extra)
+        result = self.timed("Lpac" if checkpointing else "Lp", step, warmup, args.steps, extra)
         result["dynamo"] = dynamo_stats()
         return result
 
@@ -1401,6 +1406,7 @@ def main(argv=None) -> dict:
             "Dac": partial(bench.mode_d, "Dac", out, checkpointing="full"),
             "L": partial(bench.mode_d, "L", out, lora=True),
             "Lp": bench.mode_lora_peer,
+            "Lpac": partial(bench.mode_lora_peer, checkpointing=True),
             "Q": partial(bench.mode_d, "Q", out, parallel="single", lora=True, quantize=True),
         }
         from sftflow.tasks.train.activations import apply_memory_budget
