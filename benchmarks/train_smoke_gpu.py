@@ -81,10 +81,9 @@ def main() -> None:
         out=str(work / "run"),
         nproc=args.nproc,
         max_steps=args.steps,
-        checkpoint_every=10,
-        keep_last=2,
-        warmup_steps=3,
-        lr=3e-4,
+        checkpoint=dict(every=10, keep_last=2),
+        schedule=dict(warmup_steps=3),
+        optimizer=dict(lr=3e-4),
         device=args.device,
         timeout_s=600,
     )

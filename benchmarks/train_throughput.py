@@ -1131,11 +1131,10 @@ def gpu_check(
         model=str(model_json),
         out=str(run_dir),
         max_steps=steps,
-        checkpoint_every=0 if big else 10,
+        checkpoint=dict(every=0 if big else 10, keep_last=2),
         export=not big,
-        keep_last=2,
-        warmup_steps=3,
-        lr=3e-4,
+        schedule=dict(warmup_steps=3),
+        optimizer=dict(lr=3e-4),
         device=device,
         num_threads=1 if small else None,
     )
@@ -1164,7 +1163,9 @@ def gpu_check(
         code2, wall2, out2 = attempt(config, None)
     else:
         code1, wall1, out1 = attempt(config, f"crash_after_step={crash_after}")
-        code2, wall2, out2 = attempt(config.model_copy(update={"resume": True}), None)
+        code2, wall2, out2 = attempt(
+            config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"resume": True})}), None
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_logged = [r["step"] for r in records]
     peak = [line for line in out2.splitlines() if "peak memory" in line]
@@ -1301,8 +1302,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--memory-budget",
         default="auto",
-        help="the D modes' train.activation_memory_budget: auto (resolved as the worker does: 1 where the row fits "
-        "without checkpointing, else 0.99) or a number in (0, 1]",
+        help="the D modes' train.memory.activation_memory_budget: auto (resolved as the worker does: 1 where the row "
+        "fits without checkpointing, else 0.99) or a number in (0, 1]",
     )
     p.add_argument("--breakdown-steps", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=3)

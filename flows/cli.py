@@ -91,8 +91,8 @@ class _Command(TyperCommand):
 
 
 def _option(key: str, *names: str, help: str | None = None) -> Any:
-    """A command-line option that sets the config field `key` (`train.lr`); it has no default of its own (the field's
-    is the only one, shown in the help), and an option not given leaves the config as it is."""
+    """A command-line option that sets the config field `key` (`train.optimizer.lr`); it has no default of its own
+    (the field's is the only one, shown in the help), and an option not given leaves the config as it is."""
     option = typer.Option(*names, help=help)
     option.config_key = key
     return option
@@ -129,7 +129,9 @@ ConfigFile = Annotated[
 ]
 Assignments = Annotated[
     list[str] | None,
-    typer.Option("--set", metavar="KEY=VALUE", help="set any config field: --set train.lr=1e-4, --set plan.epochs=3"),
+    typer.Option(
+        "--set", metavar="KEY=VALUE", help="set any config field: --set train.optimizer.lr=1e-4, --set plan.epochs=3"
+    ),
 ]
 
 
@@ -373,24 +375,24 @@ def train(
     model: Annotated[str | None, _option("train.model", help="local folder, hub id, config.json or preset")] = None,
     nproc: Annotated[int | None, _option("train.nproc", help="worker processes (GPUs) per node")] = None,
     max_steps: Annotated[int | None, _option("train.max_steps", help="stop after N optimizer steps")] = None,
-    lr: Annotated[float | None, _option("train.lr", help="peak learning rate")] = None,
+    lr: Annotated[float | None, _option("train.optimizer.lr", help="peak learning rate")] = None,
     checkpoint_every: Annotated[
-        int | None, _option("train.checkpoint_every", help="save a checkpoint every N steps")
+        int | None, _option("train.checkpoint.every", help="save a checkpoint every N steps")
     ] = None,
     resume: Annotated[
-        bool, _option("train.resume", "--resume", help="continue from the run's latest checkpoint")
+        bool, _option("train.checkpoint.resume", "--resume", help="continue from the run's latest checkpoint")
     ] = False,
     init_from: Annotated[
-        str | None, _option("train.init_from", help="checkpoint (step-N folder or run dir) to start from")
+        str | None, _option("train.checkpoint.init_from", help="checkpoint (step-N folder or run dir) to start from")
     ] = None,
     load_components: Annotated[
-        str | None, _option("train.load_components", help="model[,optimizer,lr_scheduler,progress]")
+        str | None, _option("train.checkpoint.load_components", help="model[,optimizer,lr_scheduler,progress]")
     ] = None,
     nnodes: Annotated[int | None, _option("train.nnodes", help="nodes (multi-node: same command on each)")] = None,
     node_rank: Annotated[int | None, _option("train.node_rank", help="this node's rank")] = None,
     rdzv_endpoint: Annotated[str | None, _option("train.rdzv_endpoint")] = None,
     rdzv_id: Annotated[str | None, _option("train.rdzv_id")] = None,
-    compile: Annotated[str | None, _option("train.compile", help="torch.compile each decoder layer")] = None,
+    compile: Annotated[str | None, _option("train.memory.compile", help="torch.compile each decoder layer")] = None,
     parallel: Annotated[str | None, _option("train.parallel")] = None,
     lora_rank: Annotated[int | None, _option("train.lora.rank", help="train LoRA adapters of this rank")] = None,
     lora_alpha: Annotated[
@@ -513,7 +515,7 @@ def _demo_default() -> dict:
 def run(
     config: Annotated[Path | None, typer.Argument(help="YAML SFTConfig (default: the bundled demo)")] = None,
     work_dir: Annotated[str | None, typer.Option(help="override the config's work_dir")] = None,
-    learning_rate: Annotated[float | None, _option("train.lr", "--learning-rate")] = None,
+    learning_rate: Annotated[float | None, _option("train.optimizer.lr", "--learning-rate")] = None,
     max_steps: Annotated[int | None, _option("train.max_steps")] = None,
     set: Assignments = None,
     force: Annotated[list[str] | None, typer.Option(help="recompute a stage: data|plan|train|eval|bench")] = None,

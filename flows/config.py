@@ -148,9 +148,9 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
-        if self.train.optimizer_in_backward and self.accumulates():
+        if self.train.optimizer.in_backward and self.accumulates():
             raise ValueError(
-                "train.optimizer_in_backward steps each parameter in the backward of one micro-batch; the plan adds "
+                "train.optimizer.in_backward steps each parameter in the backward of one micro-batch; the plan adds "
                 "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
                 "training processes): plan one a step"
             )
@@ -205,7 +205,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         bench["tasks"] = [_source_relative_to(p, t) for t in bench["tasks"]]
     render = data.get("render") if isinstance(data, dict) else None
     train = raw.get("train")
-    for section, key in ((data, "tokenizer"), (render, "template"), (train, "model"), (train, "init_from")):
+    for section, key in (
+        (data, "tokenizer"),
+        (render, "template"),
+        (train, "model"),
+        (train.get("checkpoint") if isinstance(train, dict) else None, "init_from"),
+    ):
         if isinstance(section, dict) and isinstance(section.get(key), str):
             if _relative_to(p, section[key]).exists():
                 section[key] = str(_relative_to(p, section[key]))
@@ -221,7 +226,7 @@ def _source_relative_to(config_path: Path, source):
 
 
 def parse_assignments(assignments: list[str]) -> dict[str, Any]:
-    """`["train.lr=1e-4", "data.sources=[a.jsonl, b.jsonl]"]` as `{"train.lr": "1e-4", "data.sources": [...]}`.
+    """`["train.optimizer.lr=1e-4", "data.sources=[a.jsonl]"]` as `{"train.optimizer.lr": "1e-4", ...}`.
 
     A value is read as YAML where that gives a list, a mapping or `null`; a number or a word stays the text it was
     (unquoted), which pydantic then converts to the field's type: `rdzv_id=42` stays the string a `str` field needs,
@@ -230,7 +235,7 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
     for item in assignments:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.optimizer.lr=1e-4")
         value = yaml.safe_load(text) if text.strip() else None
         if isinstance(value, (bool, int, float)):
             value = text.strip()
@@ -242,8 +247,8 @@ def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None, default: dict | None = None
 ) -> SFTConfig:
     """The run config a command works on: the YAML file at `path` (or `default`, or every field's default), with
-    `overrides` (`{"train.lr": 1e-4}`) applied before it is validated, so an override is checked, and a misspelt key
-    named, exactly as the file's own keys are."""
+    `overrides` (`{"train.optimizer.lr": 1e-4}`) applied before it is validated, so an override is checked, and a
+    misspelt key named, exactly as the file's own keys are."""
     raw = read_config_file(path) if path is not None else copy.deepcopy(default or {})
     for key, value in (overrides or {}).items():
         *parents, name = key.split(".")
@@ -291,7 +296,7 @@ def config_field(key: str):
 
 
 def keys_named(name: str, model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
-    """Every dotted config key whose last part is `name` (`keep_last` -> `["train.keep_last"]`)."""
+    """Every dotted config key whose last part is `name` (`keep_last` -> `["train.checkpoint.keep_last"]`)."""
     found = []
     for field_name in (model or SFTConfig).model_fields:
         key = f"{prefix}{field_name}"
@@ -379,7 +384,7 @@ def resolve_config(
         return cfg
     train = cfg.train.model_dump()
     if learning_rate is not None:
-        train["lr"] = learning_rate
+        train["optimizer"]["lr"] = learning_rate
     if max_steps is not None:
         train["max_steps"] = max_steps
     plan = cfg.plan.model_dump()

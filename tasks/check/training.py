@@ -89,21 +89,18 @@ def run_training_checks(
         plan=str(plan),
         tokenizer=tokenizer,
         max_steps=steps,
-        checkpoint_every=1,
-        keep_last=steps + 1,
+        checkpoint=options.checkpoint.model_copy(
+            update=dict(every=1, keep_last=steps + 1, save=True, resume=False, init_from=None)
+        ),
         export=False,
         device="cpu",
-        dtype="fp32",
-        compile="off",
+        memory=options.memory.model_copy(update=dict(dtype="fp32", compile="off")),
         parallel="fsdp",
         nnodes=1,
         node_rank=0,
-        resume=False,
-        init_from=None,
-        save_checkpoints=True,
         num_threads=1,  # the same float summation order in one process as in two
-        optimizer_in_backward=False,  # both are for one GPU (parallel: single)
-        optimizer_offload="off",
+        # both are for one GPU (parallel: single)
+        optimizer=options.optimizer.model_copy(update=dict(in_backward=False, offload="off")),
         quantize="none",  # nf4 needs a GPU: a QLoRA config is checked as LoRA on the fp32 base
     )
     records = {}

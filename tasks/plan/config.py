@@ -60,8 +60,8 @@ class PlanConfig(BaseModel):
     tokens_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         2048,
         description="tokens in one packed row on one rank, or auto: the longest row the training GPUs' memory fits "
-        "beside the model's weights and optimizer state, with train.activation_checkpointing (auto plans for rows "
-        "that fit without it)",
+        "beside the model's weights and optimizer state, with train.memory.activation_checkpointing (auto plans for "
+        "rows that fit without it)",
     )
     device_memory_gib: float | None = Field(
         None,

@@ -16,7 +16,7 @@ _STEP_KEYS_SKIPPED = {"step", "epoch", "eta_s", "epoch_time_s"}  # the x-axis an
 @dataclass
 class RunRecord:
     name: str
-    params: dict[str, str]  # the resolved config, flattened: {"train.lr": "2e-05", ...}
+    params: dict[str, str]  # the resolved config, flattened: {"train.optimizer.lr": "2e-05", ...}
     steps: list[dict[str, float]]  # one dict per step: {"step": 3, "loss": 1.2, "lr": ...}
     eval: dict[str, EvalMetrics]  # "base", "tuned"
     final_step: int

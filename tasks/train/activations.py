@@ -326,7 +326,7 @@ def apply_activation_checkpointing(
         if not hasattr(layer, "gradient_checkpointing"):
             raise ValueError(
                 f"{type(layer).__name__} cannot checkpoint its activations (not a transformers "
-                "GradientCheckpointingLayer); set train.activation_checkpointing: off"
+                "GradientCheckpointingLayer); set train.memory.activation_checkpointing: off"
             )
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = func

@@ -49,7 +49,7 @@ def model_state_bytes(
 ) -> float:
     """`state_bytes` of `lm` as built for training (a meta model will do): its trained and frozen parameters, the
     frozen ones at the size `quantize` holds them in, on `parallel` over `world_size` ranks (`released`: stepped in
-    the backward; `offload`: `train.optimizer_offload`)."""
+    the backward; `offload`: `train.optimizer.offload`)."""
     from sftflow.tasks.train.host_moments import offloaded_numel
     from sftflow.tasks.train.model import decoder_layers
     from sftflow.tasks.train.quantize import frozen_weight_bytes
@@ -109,20 +109,20 @@ def row_capacity(
             apply_lora(lm, train.lora, train.model)
     parallel = parallel_path(train.parallel, num_ranks, "cuda")  # sized for the GPUs that will train
     state = model_state_bytes(
-        lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer_in_backward, train.optimizer_offload
+        lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer.in_backward, train.optimizer.offload
     )
-    mode = "off" if train.activation_checkpointing == "auto" else train.activation_checkpointing
+    mode = "off" if train.memory.activation_checkpointing == "auto" else train.memory.activation_checkpointing
     # a budget the user set applies to compiled layers (`compile: auto` compiles on GPUs); `auto` plans at 1
-    budget = train.activation_memory_budget
-    budget = 1.0 if budget == "auto" or train.compile == "off" else budget
+    budget = train.memory.activation_memory_budget
+    budget = 1.0 if budget == "auto" or train.memory.compile == "off" else budget
     # `auto` may turn offload on in the worker; rows are planned for what fits without it unless it is set
-    offload = train.activation_offload is True and mode != "off"
+    offload = train.memory.activation_offload is True and mode != "off"
     tokens = max_row_tokens(config, mode, state, free, offload=offload, budget=budget)
     limit = getattr(config, "max_position_embeddings", None)
     if limit:
         tokens = min(tokens, limit // 1024 * 1024 or limit)
     if tokens <= 0:
-        more = "" if mode == "full" else "; train.activation_checkpointing: full leaves more room, or "
+        more = "" if mode == "full" else "; train.memory.activation_checkpointing: full leaves more room, or "
         raise ValueError(
             f"plan.tokens_per_rank: auto: {train.model}'s weights and optimizer state (~{state / GIB:.1f} GiB a GPU "
             f"on the {parallel} path) leave no room for a row of 1,024 tokens in {free / GIB:.1f} GiB"

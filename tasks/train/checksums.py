@@ -6,7 +6,7 @@ listing (`CHECKSUMS`, `sha256  name` per line, as the stage folders have) is wri
 hashed its share of the files, and before `latest` names the checkpoint. The launcher checks the checkpoint a run
 will load before it starts the workers, so a damaged one is one located error, not a worker traceback. This
 catches corruption, not an attacker who can rewrite the listing too: checkpoints, like `init_from`, are trusted input.
-A checkpoint without a listing is refused unless the user says they trust it (`train.trust_checkpoint`).
+A checkpoint without a listing is refused unless the user says they trust it (`train.checkpoint.trust`).
 """
 
 from __future__ import annotations
@@ -56,19 +56,19 @@ def write_checksums(path: Path) -> None:
 def verify_checksums(path: Path, trust_unverified: bool = False, resuming: bool = False) -> None:
     """Raise `ValueError` naming the first file of the checkpoint whose sha256 differs from `CHECKSUMS` (or that is
     missing, or not listed). A checkpoint without `CHECKSUMS` is refused unless `trust_unverified` (`train.
-    trust_checkpoint`): torch's reader unpickles its `.metadata`, so deleting the listing must not be a way past the
+    checkpoint.trust`): torch's reader unpickles its `.metadata`, so deleting the listing must not be a way past the
     check. `resuming`: `path` is the checkpoint its own run resumes from (what the error advises). A collective when
     a process group is up (each rank checks a share, all raise together); the launcher calls it in one process."""
     path = Path(path)
     listing = path / CHECKSUMS
     if not listing.is_file():
         if trust_unverified:
-            log.warning("%s has no %s: loaded unchecked, as train.trust_checkpoint allows", path, CHECKSUMS)
+            log.warning("%s has no %s: loaded unchecked, as train.checkpoint.trust allows", path, CHECKSUMS)
             return
         raise ValueError(
             f"checkpoint {path} has no {CHECKSUMS}, so its files cannot be checked, and loading it unpickles its "
             ".metadata (which can run code); if you wrote it yourself (an older sftflow, or by hand) and trust it, "
-            "set train.trust_checkpoint: true (--set train.trust_checkpoint=true)"
+            "set train.checkpoint.trust: true (--set train.checkpoint.trust=true)"
         )
     expected = {}
     for line in listing.read_text().splitlines():

@@ -3,7 +3,7 @@ the options plus its data, plan and run folder, as the CLI, the flows and `run.j
 dataclasses the worker's components take.
 
 `TrainConfig` is validated once, when it is built; the worker reads it back from `RUN_DIR/run.json` and hands each
-component only its own slice (`OptimConfig`, `ScheduleConfig`, `CheckpointConfig`, `MetricsConfig`).
+component only its own slice (its `optimizer` section, `ScheduleConfig`, `CheckpointConfig`, `MetricsConfig`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sftflow.tasks.core.atomic import write_atomic
 
-RUN_FORMAT_VERSION = 1
+RUN_FORMAT_VERSION = 2  # 2: the train options in sections (optimizer, schedule, memory, checkpoint, metrics)
 # Everything a checkpoint holds; `init_from` may load any subset.
 COMPONENTS = ("model", "optimizer", "lr_scheduler", "progress")
 
@@ -49,61 +49,54 @@ class LoraSettings(BaseModel):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
 
-class TrainOptions(BaseModel):
-    """How to train: every option a user sets, and what the cached train stage keys on. It is the `train` section of
-    a run config (`SFTConfig.train`) and of `sftflow train`; `TrainConfig` adds where one run reads and writes."""
+class OptimConfig(BaseModel):
+    """`train.optimizer`: AdamW, and how its step runs; the worker's optimizer takes this section as it is."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(
-        "tiny-llama", description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'"
-    )
-    model_overrides: dict[str, int | float | str | bool] = Field(
-        default_factory=dict, description="config overrides for presets and config.json models (e.g. num_hidden_layers)"
-    )
-
-    # launch
-    nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
-    rdzv_id: str | None = Field(None, description="rendezvous id shared by all nodes of one run (multi-node)")
-    timeout_s: float | None = Field(None, gt=0, description="kill the training process group after this long")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
-
-    # optimisation
-    max_steps: int | None = Field(
-        None, ge=0, description="stop after this many optimizer steps (default: the plan's); the schedule is unchanged"
-    )
-    schedule_steps: int | None = Field(
-        None, ge=1, description="steps the learning-rate schedule spans (default: the plan's steps)"
-    )
-    lr: float = Field(2e-5, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
+    lr: float = Field(2e-5, gt=0, description="peak learning rate")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(1.0, gt=0)
-    seed: int = 0
-    dtype: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
-    )
     max_nonfinite_steps: int = Field(3, ge=0, description="fail after this many consecutive skipped NaN/inf steps")
-    optimizer_in_backward: bool = Field(
+    in_backward: bool = Field(
         False,
         description="one device (parallel: single), full fine-tuning: step each parameter as soon as its gradient is "
         "made and free the gradient (2 bytes a parameter less, for activations); needs grad_clip: null and one "
         "micro-batch a step, and a tensor whose gradient is not finite keeps its values while the others step",
     )
-    optimizer_offload: Literal["off", "all"] | Annotated[int, Field(ge=0)] = Field(
+    offload: Literal["off", "all"] | Annotated[int, Field(ge=0)] = Field(
         "off",
         description="one device (parallel: single), full fine-tuning: keep AdamW moments in pinned host memory and "
         "bring them through the GPU for their step (8 bytes a parameter less on the device, 16 over the host link a "
         "step): a number N of decoder layers spread evenly over the stack, or all (every parameter)",
+    )
+
+    @field_validator("offload")
+    @classmethod
+    def _no_layers_is_off(cls, value):
+        return "off" if value == 0 else value  # one spelling of "nothing offloaded" for every reader
+
+
+class ScheduleOptions(BaseModel):
+    """`train.schedule`: the learning rate over the steps."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    steps: int | None = Field(None, ge=1, description="steps the schedule spans (default: the plan's steps)")
+
+
+class MemoryOptions(BaseModel):
+    """`train.memory`: precision, compilation and what the backward recomputes or keeps on the host."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
     )
     compile: Literal["auto", "off", "layers"] = Field(
         "auto", description="torch.compile each decoder layer (regional); auto = on CUDA only"
@@ -128,45 +121,28 @@ class TrainOptions(BaseModel):
         "compute); auto = on a GPU, only where the estimate says the planned rows would not fit without it and the "
         "host has the memory",
     )
-    parallel: Literal["auto", "fsdp", "single"] = Field(
-        "auto",
-        description="fsdp: FSDP2 over all ranks; single: one process, no sharding (compute-dtype weights, fp32 "
-        "masters in the optimizer); auto = single on one CUDA device, fsdp otherwise",
-    )
 
-    # parameter-efficient fine-tuning
-    lora: LoraSettings | None = Field(None, description="train LoRA adapters on a frozen base (peft)")
-    quantize: Literal["none", "nf4"] = Field("none", description="nf4: QLoRA, the frozen base in 4 bits")
 
-    # checkpoints and export
-    checkpoint_every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
-    save_checkpoints: bool = Field(
+class CheckpointOptions(BaseModel):
+    """`train.checkpoint`: when to save, how many to keep, and what to start from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
+    keep_last: int = Field(2, ge=1)
+    save: bool = Field(
         True,
         description="false: no DCP checkpoint at all, not even at the end (the run cannot resume; the export is "
         "still written): throughput runs of models whose optimizer state outgrows the disk",
     )
-    keep_last: int = Field(2, ge=1)
-    resume: bool = False
+    resume: bool = Field(False, description="continue from the run's latest checkpoint")
     init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
-    trust_checkpoint: bool = Field(
+    load_components: tuple[str, ...] = Field(("model",), description="model[,optimizer,lr_scheduler,progress]")
+    trust: bool = Field(
         False,
         description="load a checkpoint that has no CHECKSUMS (an older sftflow's, or one made by hand): it cannot be "
         "checked, and loading unpickles its .metadata, so only one you trust",
     )
-    load_components: tuple[str, ...] = ("model",)
-    export: bool = True
-    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-
-    # metrics
-    ema_alpha: float = Field(0.9, ge=0, lt=1)
-    log_every: int = Field(1, ge=1)
-    peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
-    save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
-
-    @field_validator("optimizer_offload")
-    @classmethod
-    def _no_layers_is_off(cls, value):
-        return "off" if value == 0 else value  # one spelling of "nothing offloaded" for every reader
 
     @field_validator("load_components", mode="before")
     @classmethod
@@ -187,6 +163,93 @@ class TrainOptions(BaseModel):
             raise ValueError(f"load_components is empty; expected a subset of {list(COMPONENTS)}")
         return tuple(dict.fromkeys(value))
 
+
+class MetricsOptions(BaseModel):
+    """`train.metrics`: what `metrics.jsonl` and the console report, and how often."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    log_every: int = Field(1, ge=1)
+    ema_alpha: float = Field(0.9, ge=0, lt=1)
+    peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
+
+
+# The flat keys the sections replaced: a run config or `--set` that still names one is told the new key.
+_MOVED = {
+    "train.optimizer": ("lr", "eps", "weight_decay", "grad_clip", "max_nonfinite_steps"),
+    "train.schedule": ("warmup_steps", "min_lr_ratio"),
+    "train.memory": ("dtype", "compile", "activation_checkpointing", "activation_memory_budget", "activation_offload"),
+    "train.checkpoint": ("keep_last", "init_from", "load_components", "resume"),
+    "train.metrics": ("log_every", "ema_alpha", "peak_tflops"),
+}
+MOVED_KEYS = {key: f"{section}.{key}" for section, keys in _MOVED.items() for key in keys} | {
+    "beta1": "train.optimizer.betas",
+    "beta2": "train.optimizer.betas",
+    "optimizer_in_backward": "train.optimizer.in_backward",
+    "optimizer_offload": "train.optimizer.offload",
+    "schedule_steps": "train.schedule.steps",
+    "checkpoint_every": "train.checkpoint.every",
+    "save_checkpoints": "train.checkpoint.save",
+    "trust_checkpoint": "train.checkpoint.trust",
+}
+
+
+class TrainOptions(BaseModel):
+    """How to train: every option a user sets, and what the cached train stage keys on. It is the `train` section of
+    a run config (`SFTConfig.train`) and of `sftflow train`; `TrainConfig` adds where one run reads and writes.
+    Its components are sections of their own: `optimizer`, `schedule`, `memory`, `checkpoint`, `lora`, `metrics`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS
+
+    model: str = Field(
+        "tiny-llama", description="local folder, hub id, config.json path, or a preset such as 'tiny-llama'"
+    )
+    model_overrides: dict[str, int | float | str | bool] = Field(
+        default_factory=dict, description="config overrides for presets and config.json models (e.g. num_hidden_layers)"
+    )
+
+    # launch
+    nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
+    rdzv_id: str | None = Field(None, description="rendezvous id shared by all nodes of one run (multi-node)")
+    timeout_s: float | None = Field(None, gt=0, description="kill the training process group after this long")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
+    parallel: Literal["auto", "fsdp", "single"] = Field(
+        "auto",
+        description="fsdp: FSDP2 over all ranks; single: one process, no sharding (compute-dtype weights, fp32 "
+        "masters in the optimizer); auto = single on one CUDA device, fsdp otherwise",
+    )
+
+    max_steps: int | None = Field(
+        None, ge=0, description="stop after this many optimizer steps (default: the plan's); the schedule is unchanged"
+    )
+    seed: int = 0
+    optimizer: OptimConfig = OptimConfig()
+    schedule: ScheduleOptions = ScheduleOptions()
+    memory: MemoryOptions = MemoryOptions()
+    checkpoint: CheckpointOptions = CheckpointOptions()
+    metrics: MetricsOptions = MetricsOptions()
+
+    # parameter-efficient fine-tuning
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters on a frozen base (peft)")
+    quantize: Literal["none", "nf4"] = Field("none", description="nf4: QLoRA, the frozen base in 4 bits")
+
+    # export and debugging
+    export: bool = True
+    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_is_a_section(cls, value):
+        if isinstance(value, str):
+            raise ValueError(f"the schedule's kind is now train.schedule.kind (schedule: {{kind: {value}}})")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> TrainOptions:
         if self.node_rank >= self.nnodes:
@@ -198,13 +261,13 @@ class TrainOptions(BaseModel):
             )
         if self.quantize != "none" and self.lora is None:
             raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
-        if self.optimizer_in_backward:
+        if self.optimizer.in_backward:
             self._check_optimizer_in_backward()
-        if self.optimizer_offload != "off" and (
+        if self.optimizer.offload != "off" and (
             self.lora is not None or self.parallel == "fsdp" or self.nproc * self.nnodes > 1
         ):
             raise ValueError(
-                f"optimizer_offload={self.optimizer_offload!r} streams the moments of full fine-tuning on one device "
+                f"optimizer.offload={self.optimizer.offload!r} streams the moments of full fine-tuning on one device "
                 f"(parallel: single or auto, no LoRA); got parallel={self.parallel!r}, nproc={self.nproc} x "
                 f"nnodes={self.nnodes}" + (", LoRA" if self.lora is not None else "")
             )
@@ -213,11 +276,11 @@ class TrainOptions(BaseModel):
         return self
 
     def _check_optimizer_in_backward(self) -> None:
-        why = "optimizer_in_backward: true steps each parameter as its gradient is made, on one device"
-        if self.grad_clip is not None:
+        why = "optimizer.in_backward: true steps each parameter as its gradient is made, on one device"
+        if self.optimizer.grad_clip is not None:
             raise ValueError(
-                f"{why}, before the global gradient norm is known, so it cannot clip: set grad_clip: null "
-                f"(got {self.grad_clip})"
+                f"{why}, before the global gradient norm is known, so it cannot clip: set optimizer.grad_clip: null "
+                f"(got {self.optimizer.grad_clip})"
             )
         if self.lora is not None:
             raise ValueError(f"{why}; LoRA's gradients are the adapters', a few MB, with nothing to gain: drop one")
@@ -273,18 +336,6 @@ def read_run_json(run_dir: str | Path) -> TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    grad_clip: float | None
-    max_nonfinite_steps: int
-    in_backward: bool  # step each parameter in the backward and drop its gradient (one device)
-    offload: str | int  # whose moments live in host memory (one device; `host_moments.offload_units`)
-
-
-@dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "constant"]
     warmup_steps: int
@@ -312,39 +363,34 @@ class MetricsConfig:
 
 
 def optim_config(c: TrainConfig) -> OptimConfig:
-    return OptimConfig(
-        lr=c.lr,
-        betas=(c.beta1, c.beta2),
-        eps=c.eps,
-        weight_decay=c.weight_decay,
-        grad_clip=c.grad_clip,
-        max_nonfinite_steps=c.max_nonfinite_steps,
-        in_backward=c.optimizer_in_backward,
-        offload=c.optimizer_offload,
-    )
+    return c.optimizer
 
 
 def schedule_config(c: TrainConfig, total_steps: int) -> ScheduleConfig:
+    s = c.schedule
     return ScheduleConfig(
-        kind=c.schedule, warmup_steps=c.warmup_steps, total_steps=total_steps, min_lr_ratio=c.min_lr_ratio
+        kind=s.kind, warmup_steps=s.warmup_steps, total_steps=total_steps, min_lr_ratio=s.min_lr_ratio
     )
 
 
 def checkpoint_config(c: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(
         folder=c.run_dir / "checkpoints",
-        every=c.checkpoint_every,
-        enabled=c.save_checkpoints,
-        keep_last=c.keep_last,
-        resume=c.resume,
-        init_from=Path(c.init_from) if c.init_from else None,
-        load_components=c.load_components,
+        every=c.checkpoint.every,
+        enabled=c.checkpoint.save,
+        keep_last=c.checkpoint.keep_last,
+        resume=c.checkpoint.resume,
+        init_from=Path(c.checkpoint.init_from) if c.checkpoint.init_from else None,
+        load_components=c.checkpoint.load_components,
     )
 
 
 def metrics_config(c: TrainConfig, peak_flops: float | None) -> MetricsConfig:
     return MetricsConfig(
-        path=c.run_dir / "metrics.jsonl", ema_alpha=c.ema_alpha, log_every=c.log_every, peak_flops=peak_flops
+        path=c.run_dir / "metrics.jsonl",
+        ema_alpha=c.metrics.ema_alpha,
+        log_every=c.metrics.log_every,
+        peak_flops=peak_flops,
     )
 
 

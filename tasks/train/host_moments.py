@@ -82,9 +82,9 @@ def check_host_room(nbytes: int, available: int | None) -> None:
     """Refuse to allocate `nbytes` of host moments where the host has less than that (and its headroom) available."""
     if available is not None and nbytes + HOST_HEADROOM > available:
         raise MemoryError(
-            f"train.optimizer_offload: the offloaded AdamW moments take {nbytes / 2**30:.1f} GiB of host memory, "
+            f"train.optimizer.offload: the offloaded AdamW moments take {nbytes / 2**30:.1f} GiB of host memory, "
             f"and this host has {available / 2**30:.1f} GiB available ({HOST_HEADROOM / 2**30:.0f} GiB of it kept "
-            "for the rest of the process); offload fewer layers (`train.optimizer_offload: N`) or use a host with "
+            "for the rest of the process); offload fewer layers (`train.optimizer.offload: N`) or use a host with "
             "more memory"
         )
 
@@ -101,7 +101,7 @@ def pinned_flat(numel: int, pin: bool) -> torch.Tensor:
         err = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), numel * 4, 0))
         if err != 0:
             raise RuntimeError(
-                f"train.optimizer_offload: pinning {numel * 4 / 2**30:.1f} GiB of host memory failed "
+                f"train.optimizer.offload: pinning {numel * 4 / 2**30:.1f} GiB of host memory failed "
                 f"(cudaHostRegister error {err}); the host may limit locked memory (`ulimit -l`)"
             )
         # The storage, not this tensor object, lives as long as any view of it (the optimizer's state).

@@ -273,19 +273,19 @@ def check_one_device_options(config: TrainConfig, vocab_size: int | None = None)
     """The optimizer options of the one-device path, refused before torchrun starts when `parallel: auto` will not
     resolve to it here (a CPU run, where auto means FSDP), or when this host has less memory available than the
     offloaded moments take, rather than by the worker after the model is built."""
-    if not config.optimizer_in_backward and config.optimizer_offload == "off":
+    if not config.optimizer.in_backward and config.optimizer.offload == "off":
         return
     from sftflow.tasks.train.config import parallel_path
 
     world = config.nproc * config.nnodes
     device = "cpu" if _runs_on_cpu(config) else "cuda"
     if parallel_path(config.parallel, world, device) != "single":
-        asked = "optimizer_in_backward" if config.optimizer_in_backward else "optimizer_offload"
+        asked = "optimizer.in_backward" if config.optimizer.in_backward else "optimizer.offload"
         raise ValueError(
             f"train.{asked} runs on the one-device path, and parallel={config.parallel!r} on {device} with "
             f"{world} process(es) is FSDP; set train.parallel: single (one process)"
         )
-    if config.optimizer_offload != "off":
+    if config.optimizer.offload != "off":
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -296,7 +296,7 @@ def check_one_device_options(config: TrainConfig, vocab_size: int | None = None)
             lm = AutoModelForCausalLM.from_config(
                 model_config(config.model, vocab_size=vocab_size, overrides=config.model_overrides)
             )
-        check_host_room(8 * offloaded_numel(lm, config.optimizer_offload)[0], available_host_bytes())
+        check_host_room(8 * offloaded_numel(lm, config.optimizer.offload)[0], available_host_bytes())
 
 
 def _runs_on_cpu(config: TrainConfig) -> bool:
@@ -312,7 +312,7 @@ def _cuda_available() -> bool:
 def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics | None = None) -> TrainResult:
     """Run (or resume) training into `config.out`; blocks until torchrun exits. Raises `TrainingFailed` on failure.
     `live` follows the run's metrics while it trains."""
-    resume = config.resume if resume is None else resume
+    resume = config.checkpoint.resume if resume is None else resume
     run_dir = config.run_dir
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     latest = latest_checkpoint(run_dir / "checkpoints")
@@ -321,7 +321,7 @@ def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics 
             f"{run_dir} already holds a training run (latest checkpoint {latest.name}); pass resume=True "
             "(--resume) to continue it, or choose a new out folder"
         )
-    config = config.model_copy(update={"resume": resume})
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"resume": resume})})
     # One launcher per run folder and node: a second would resume from this one's live checkpoints and interleave
     # its metrics.
     with exclusive(run_dir / f".lock-node{config.node_rank}", f"training run {run_dir}"):
@@ -369,7 +369,7 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     checkpoint = checkpoint_to_load(checkpoint_config(config))
     if checkpoint is not None:
         resuming = checkpoint.parent == run_dir / "checkpoints"
-        verify_checksums(checkpoint, config.trust_checkpoint, resuming)  # before any reader unpickles its .metadata
+        verify_checksums(checkpoint, config.checkpoint.trust, resuming)  # before any reader unpickles its .metadata
     write_run_json(config, input_manifests(config), run_dir / "run.json")
 
     logger = _logger()

@@ -105,16 +105,16 @@ def more_room(p: MemoryPicture) -> list[str]:
     layers = p.model_config.num_hidden_layers
     label = checkpointing_label(p.checkpointing, layers)
     if label != "full":
-        options.append("train.activation_checkpointing: full")
+        options.append("train.memory.activation_checkpointing: full")
     if label != "off" and not p.offload and p.free_bytes is not None:
-        options.append("train.activation_offload: true")
+        options.append("train.memory.activation_offload: true")
     if p.compiled and p.budget >= 1 and label != "full":
-        options.append("train.activation_memory_budget: 0.99 (recompute the layers' elementwise outputs)")
+        options.append("train.memory.activation_memory_budget: 0.99 (recompute the layers' elementwise outputs)")
     if p.parallel == "single" and not p.lora:
         if not p.optimizer_in_backward:
-            options.append("train.optimizer_in_backward: true (no gradient memory; no clipping)")
+            options.append("train.optimizer.in_backward: true (no gradient memory; no clipping)")
         if p.optimizer_offload == "off":
-            options.append("train.optimizer_offload: all (AdamW moments in host memory)")
+            options.append("train.optimizer.offload: all (AdamW moments in host memory)")
     options.append(f"a smaller plan.tokens_per_rank (now {p.tokens_per_rank:,}; auto sizes it to the GPU)")
     if not p.lora:
         options.append("train.lora")

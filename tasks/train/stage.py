@@ -65,4 +65,4 @@ def train_task(config: TrainConfig) -> TrainResult:
     its failed attempt started."""
     from prefect.runtime import task_run
 
-    return train(config, resume=config.resume or task_run.run_count > 1)
+    return train(config, resume=config.checkpoint.resume or task_run.run_count > 1)

@@ -130,7 +130,7 @@ def parallelize(
     device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
     if quantize and (parallel != "single" or not lora):
         raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
-    for name, asked in (("optimizer_in_backward", c.in_backward), ("optimizer_offload", c.offload != "off")):
+    for name, asked in (("optimizer.in_backward", c.in_backward), ("optimizer.offload", c.offload != "off")):
         if asked and (parallel != "single" or lora):
             raise ValueError(
                 f"train.{name}: full fine-tuning on one device (parallel: single); this run is {parallel}"
@@ -441,36 +441,45 @@ def build_run(run_dir: Path) -> Run:
     )
     if config.lora is not None:
         apply_lora(lm, config.lora, config.model)
-    compiled = resolve_compile(config.compile, env.device)
-    param_dtype = compute_dtype(env, config.dtype)
+    compiled = resolve_compile(config.memory.compile, env.device)
+    param_dtype = compute_dtype(env, config.memory.dtype)
     if compiled:
-        compile_layers(decoder_layers(lm), strict=config.compile == "layers", device=env.device, dtype=param_dtype)
+        compile_layers(
+            decoder_layers(lm), strict=config.memory.compile == "layers", device=env.device, dtype=param_dtype
+        )
     parallel = resolve_parallel(config.parallel, env)
     layers = decoder_layers(lm)
     # a plan made for more ranks than train here gives each process several plan ranks' rows a step
     micro_batches = plan.micro_batches_per_step * plan.num_ranks // env.world_size
-    if config.optimizer_in_backward and micro_batches > 1:
+    if config.optimizer.in_backward and micro_batches > 1:
         raise ValueError(
-            f"train.optimizer_in_backward steps each parameter in the backward of one micro-batch; "
+            f"train.optimizer.in_backward steps each parameter in the backward of one micro-batch; "
             f"{plan_path(config.plan)} has {micro_batches} a step on each of {env.world_size} process(es) "
             f"({plan.micro_batches_per_step} micro-batch(es) x {plan.num_ranks} planned ranks): plan one a step "
             "for this many ranks"
         )
     state = model_state_bytes(
-        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer_in_backward,
-        config.optimizer_offload,
+        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer.in_backward,
+        config.optimizer.offload,
     )  # fmt: skip
     budget = resolve_memory_budget(
-        config.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, free
+        config.memory.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, free
     )
     offload = resolve_activation_offload(
-        config.activation_offload, config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank,
-        state, free, budget, host_room(lm, config), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        config.memory.activation_offload, config.memory.activation_checkpointing, env.device, lm.config,
+        plan.tokens_per_rank, state, free, budget, host_room(lm, config), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )  # fmt: skip
     checkpointing = resolve_activation_checkpointing(
-        config.activation_checkpointing, env.device, lm.config, plan.tokens_per_rank, state, offload, free, budget
+        config.memory.activation_checkpointing,
+        env.device,
+        lm.config,
+        plan.tokens_per_rank,
+        state,
+        offload,
+        free,
+        budget,
     )
-    budget = settle_memory_budget(config.activation_memory_budget, budget, checkpointing, len(layers))
+    budget = settle_memory_budget(config.memory.activation_memory_budget, budget, checkpointing, len(layers))
     apply_memory_budget(budget)
     apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)
@@ -484,9 +493,9 @@ def build_run(run_dir: Path) -> Run:
         lm, env, parallel, param_dtype, optim_c, weights, on_meta, lora=config.lora is not None, seed=config.seed,
         quantize=config.quantize == "nf4",
     )  # fmt: skip
-    # The learning-rate curve spans the whole plan (or `schedule_steps`), whatever `max_steps` stops at: stopping early
+    # The learning-rate curve spans the whole plan (or `schedule.steps`), whatever `max_steps` stops at: stopping early
     # and resuming with another `max_steps` never bends it.
-    schedule_c = cfg.schedule_config(config, config.schedule_steps or plan.num_steps)
+    schedule_c = cfg.schedule_config(config, config.schedule.steps or plan.num_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule_c))
     progress = Progress()
     states = {
@@ -498,7 +507,7 @@ def build_run(run_dir: Path) -> Run:
     checkpointer = Checkpointer(checkpoint_c, states, is_main=env.is_main)
     how = checkpointer.restore()
     metrics = MetricsLogger(
-        cfg.metrics_config(config, default_peak_flops(env.device, config.peak_tflops)),
+        cfg.metrics_config(config, default_peak_flops(env.device, config.metrics.peak_tflops)),
         is_main=env.is_main,
         total_steps=total_steps,
         steps_per_epoch=plan.steps_per_epoch,
@@ -519,7 +528,7 @@ def build_run(run_dir: Path) -> Run:
             + (f", activation checkpointing {label}" if label != "off" else "")
             + (" (inputs in host memory)" if offload and label != "off" else "")
             + (f", activation memory budget {budget}" if budget < 1 else "")
-            + (", optimizer in the backward" if config.optimizer_in_backward else "")
+            + (", optimizer in the backward" if config.optimizer.in_backward else "")
             + (
                 f", AdamW moments in host memory ({describe_units(optimizer.host_moments.units)})"
                 if getattr(optimizer, "host_moments", None) is not None
@@ -538,8 +547,8 @@ def build_run(run_dir: Path) -> Run:
         memory=MemoryPicture(
             model_config=lm.config, tokens_per_rank=plan.tokens_per_rank, parallel=parallel,
             world_size=env.world_size, checkpointing=checkpointing, offload=offload, compiled=compiled, budget=budget,
-            state_bytes=state, free_bytes=free, optimizer_in_backward=config.optimizer_in_backward,
-            optimizer_offload=config.optimizer_offload, lora=config.lora is not None,
+            state_bytes=state, free_bytes=free, optimizer_in_backward=config.optimizer.in_backward,
+            optimizer_offload=config.optimizer.offload, lora=config.lora is not None,
         ),
     )  # fmt: skip
 
@@ -659,13 +668,13 @@ def _train(run: Run, watch: MemoryWatch) -> None:
 
 def host_room(lm: torch.nn.Module, config: cfg.TrainConfig) -> int | None:
     """Host memory the checkpointed inputs may take: what the host has available, less the headroom the process
-    keeps and the AdamW moments `optimizer_offload` is about to pin (None where the host does not say)."""
+    keeps and the AdamW moments `optimizer.offload` is about to pin (None where the host does not say)."""
     from sftflow.tasks.train.host_moments import HOST_HEADROOM, available_host_bytes, offloaded_numel
 
     available = available_host_bytes()
     if available is None:
         return None
-    moments = 8 * offloaded_numel(lm, config.optimizer_offload)[0] if config.optimizer_offload != "off" else 0
+    moments = 8 * offloaded_numel(lm, config.optimizer.offload)[0] if config.optimizer.offload != "off" else 0
     return max(available - HOST_HEADROOM - moments, 0)
 
 

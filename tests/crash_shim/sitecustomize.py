@@ -30,7 +30,7 @@ def _install(module) -> None:
         return  # not a training worker (the launcher, the flow, a CLI)
     run_dir = Path(sys.argv[-1])
     if "lr" in fields:
-        lr = json.loads((run_dir / "run.json").read_text())["config"]["lr"]
+        lr = json.loads((run_dir / "run.json").read_text())["config"]["optimizer"]["lr"]
         if float(lr) != float(fields["lr"]):
             return
     marker = run_dir / "fault-fired"

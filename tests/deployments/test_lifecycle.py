@@ -44,7 +44,7 @@ def _long_training_config(root: Path) -> Path:
                 "train_retries": 0,
                 "demo": {"records": 40},
                 "plan": {"tokens_per_rank": 512, "epochs": 400},
-                "train": {"model_overrides": TINY, "lr": 1e-3, "checkpoint_every": 50},
+                "train": {"model_overrides": TINY, "optimizer": {"lr": 1e-3}, "checkpoint": {"every": 50}},
                 "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
             }
         )

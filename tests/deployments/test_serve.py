@@ -154,7 +154,12 @@ def served(prefect_server, tmp_path_factory) -> Served:
                 "train_retries": 0,  # so that the injected crash fails the flow run
                 "demo": {"records": 40},
                 "plan": {"tokens_per_rank": 512},
-                "train": {"model_overrides": TINY, "lr": 1e-3, "max_steps": 2, "checkpoint_every": 1},
+                "train": {
+                    "model_overrides": TINY,
+                    "optimizer": {"lr": 1e-3},
+                    "max_steps": 2,
+                    "checkpoint": {"every": 1},
+                },
                 "eval": {"max_docs": 4, "max_generations": 1, "num_examples": 1},
             }
         )

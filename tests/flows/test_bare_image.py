@@ -34,29 +34,29 @@ def test_shipped_workload_configs_load(name):
     cfg = load_config(ROOT / "benchmarks" / "workloads" / f"{name}.yaml", {})
     shape = json.loads(Path(cfg.train.model).read_text())  # the model path resolves against the config's folder
     assert shape["model_type"] == "llama" and shape["vocab_size"] == 128256
-    assert cfg.train.activation_checkpointing in ("auto", "full") and not cfg.train.save_checkpoints
+    assert cfg.train.memory.activation_checkpointing in ("auto", "full") and not cfg.train.checkpoint.save
 
 
 @pytest.mark.slow  # a plan, a 4-step training run and a baseline, each in a process of its own (~30 s)
 def test_workload_runs_plan_and_train_without_prefect(tmp_path):
     """The 8B workload's config with a tiny model on the CPU: the plan comes from the bare mock index, training runs
     its steps on the one-device path (one of its two layers checkpointed, the optimizer stepping in the backward,
-    one layer's moments in host memory: the variants the GPU runs), and with `save_checkpoints: false` no checkpoint
+    one layer's moments in host memory: the variants the GPU runs), and with `checkpoint.save: false` no checkpoint
     is written, not even at the end; then a baseline of benchmarks/train_throughput.py on the same shape."""
     out = tmp_path / "out"
     args = [
         sys.executable, str(ROOT / "benchmarks" / "workload.py"), "llama8b-16k", "--steps", "4", "--warmup", "1",
         "--work", str(tmp_path / "work"), "--out", str(out), "--set", "train.model=tiny-llama",
         "--set", "plan.tokens_per_rank=4096", "--set", "train.device=cpu", "--baseline", "B",
-        "--set", "train.activation_checkpointing=1", "--set", "train.parallel=single",
-        "--set", "train.optimizer_in_backward=true", "--set", "train.grad_clip=null",
-        "--set", "train.optimizer_offload=1",
+        "--set", "train.memory.activation_checkpointing=1", "--set", "train.parallel=single",
+        "--set", "train.optimizer.in_backward=true", "--set", "train.optimizer.grad_clip=null",
+        "--set", "train.optimizer.offload=1",
     ]  # fmt: skip
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "llama8b-16k.json").read_text())
     assert summary["steps"] == 4 and summary["timed_steps"] == 3
-    assert "train.optimizer_offload=1" in summary["overrides"]
+    assert "train.optimizer.offload=1" in summary["overrides"]
     log = (out / "llama8b-16k-train.log").read_text()
     assert "optimizer in the backward, AdamW moments in host memory (1 unit, " in log
     assert summary["tokens_per_s_aggregate"] > 0 and summary["train_command_wall_s"] > 0

@@ -41,7 +41,7 @@ def pipeline(tmp_path_factory):
     plan = run_cli("plan", "--config", str(config), "--num-ranks", "2", "--stats")
     train = run_cli(
         "train", "--config", str(config), "--nproc", "2", "--max-steps", "2", "--checkpoint-every", "1",
-        "--lr", "1e-3", "--set", "train.keep_last=3", "--set", "track.tensorboard=true",
+        "--lr", "1e-3", "--set", "train.checkpoint.keep_last=3", "--set", "track.tensorboard=true",
         "--set", "track.live_every_s=0.5",
     )  # fmt: skip
     return dict(root=root, config=config, work=work, empty=empty, data=data, plan=plan, train=train)
@@ -75,7 +75,8 @@ def test_stage_commands_chain_through_the_config_work_folder(pipeline):
     run = work / "run"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-2"
     config = json.loads((run / "run.json").read_text())["config"]
-    assert config["lr"] == 1e-3 and config["keep_last"] == 3 and config["nproc"] == 2  # flags and --set
+    assert config["optimizer"]["lr"] == 1e-3 and config["checkpoint"]["keep_last"] == 3  # a flag and --set
+    assert config["nproc"] == 2
 
 
 def test_train_resumes_and_eval_reports(pipeline):
@@ -127,8 +128,8 @@ def test_bad_arguments_are_one_line_naming_the_way_out(pipeline, tmp_path):
     one_line_error(invoke("plan", "--data", data, "--lengths", "x.npy"), "one of --data DIR or --lengths")
     one_line_error(invoke("plan", "--config", config, "--set", "plan.mode=zigzag"), "'plan.mode'")
     one_line_error(invoke("plan", "--set", "plan.tokens_per_rnak=8"), "did you mean 'plan.tokens_per_rank'?")
-    one_line_error(invoke("train", "--set", "train.lr"), "expected KEY=VALUE")
-    one_line_error(invoke("train", "--keep-last", "3"), "--set train.keep_last=VALUE")
+    one_line_error(invoke("train", "--set", "train.optimizer.lr"), "expected KEY=VALUE")
+    one_line_error(invoke("train", "--keep-last", "3"), "--set train.checkpoint.keep_last=VALUE")
     elsewhere = tmp_path / "elsewhere.yaml"
     elsewhere.write_text("work_dir: nothing-here\n")
     missing = tmp_path / "nothing-here" / "data"
@@ -151,7 +152,7 @@ def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
     assert message.startswith(f"{config}: ")
     assert "unknown key 'plan.tokens_per_rnak'; did you mean 'plan.tokens_per_rank'?" in message
     assert "unknown key 'evla'; did you mean 'eval'?" in message
-    assert "unknown key 'train.lerning_rate'; expected one of" in message and " lr," in message
+    assert "unknown key 'train.lerning_rate'; expected one of" in message and " optimizer," in message
     # A typo on the command line is the command line's, not the file's
     from sftflow.flows.config import load_config
 
@@ -164,7 +165,7 @@ def test_messages_say_where_and_what_to_do(pipeline, tmp_path):
     assert "unknown key 'train.learning_rate'" in message and "'plan.epochs'" in message
     good.write_text("demo: {records: 50}\nplan: {tokens_per_rnak: 512}\n")
     with pytest.raises(ValueError) as err:
-        load_config(good, {"train.lr": "1e-3"})
+        load_config(good, {"train.optimizer.lr": "1e-3"})
     assert str(err.value).startswith(f"{good}: unknown key 'plan.tokens_per_rnak'")
 
     data = pipeline["work"] / "data"

@@ -54,3 +54,20 @@ def test_one_max_length_and_the_old_key_names_the_new_one(tmp_path):
     result = CliRunner().invoke(app, ["plan", "--config", str(path), "--out", str(tmp_path / "plan")])
     assert result.exit_code == 2, result.output
     assert f"{path}: 'data.index.max_length' is now 'data.spans.max_length'" in result.output
+
+
+def test_train_options_are_sections_and_every_flat_key_names_its_new_one():
+    """`train` nests its components (optimizer, schedule, memory, checkpoint, metrics); each removed flat key, in a
+    file or `--set`, fails with one line naming a key that exists."""
+    from sftflow.flows.config import config_field
+    from sftflow.tasks.train.config import MOVED_KEYS
+
+    cfg = load_config(default={}, overrides={"train.optimizer.lr": "1e-4", "train.checkpoint.every": "3"})
+    assert (cfg.train.optimizer.lr, cfg.train.checkpoint.every, cfg.train.schedule.kind) == (1e-4, 3, "cosine")
+    assert len(MOVED_KEYS) == 27
+    for old, new in MOVED_KEYS.items():
+        config_field(new)  # raises for a key that does not exist
+        with pytest.raises(ValueError, match=rf"^command line \(--set or an option\): 'train.{old}' is now '{new}'$"):
+            load_config(default={}, overrides={f"train.{old}": "1"})
+    with pytest.raises(ValueError, match=r"'train.schedule': .* now train.schedule.kind \(schedule: \{kind: linear"):
+        load_config(default={"train": {"schedule": "linear"}})

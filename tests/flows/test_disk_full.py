@@ -100,7 +100,7 @@ def test_a_full_disk_in_training_is_one_line_and_the_rerun_resumes_from_the_step
     run = mount / "run"
     command = (
         f'"$SFTFLOW" train --data {config.data} --plan {config.plan} --out {run} --model tiny-llama --max-steps 9 '
-        "--checkpoint-every 3 --set train.keep_last=1 --set train.num_threads=1 --set train.export=false "
+        "--checkpoint-every 3 --set train.checkpoint.keep_last=1 --set train.num_threads=1 --set train.export=false "
         f"--set train.device=cpu --set work_dir={mount}"
     )
     script = f"""
@@ -155,7 +155,7 @@ def test_a_full_disk_in_the_pipeline_is_one_line_with_the_checkpoint_a_rerun_res
         f"work_dir: {mount}\n"
         "demo: {records: 200, seed: 0}\n"
         "plan: {tokens_per_rank: 256, micro_batches_per_step: 1, epochs: 2, seed: 0}\n"
-        "train: {model: tiny-llama, nproc: 1, num_threads: 1, max_steps: 9, checkpoint_every: 3, keep_last: 1,\n"
+        "train: {model: tiny-llama, nproc: 1, num_threads: 1, max_steps: 9, checkpoint: {every: 3, keep_last: 1},\n"
         "        device: cpu}\n"
         "eval: {max_docs: 8, max_generations: 2, num_examples: 1}\n"
     )

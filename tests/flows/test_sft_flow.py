@@ -27,9 +27,9 @@ def _config(work_dir: Path, **train) -> SFTConfig:
             "plan": {"tokens_per_rank": 512, "epochs": 1},
             "train": {
                 "model": str(work_dir / "base-model"),
-                "lr": 1e-3,
+                "optimizer": {"lr": 1e-3},
                 "max_steps": 6,
-                "checkpoint_every": 2,
+                "checkpoint": {"every": 2},
                 "num_threads": 1,
                 **train,
             },

@@ -37,8 +37,8 @@ def test_killed_worker_is_retried_and_resumes_bit_identically(
         PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=2),
         out=str(tmp_path / "reference"),
         nproc=2,
-        checkpoint_every=4,
         export=True,
+        checkpoint=dict(every=4),
     )
     train(config)
 

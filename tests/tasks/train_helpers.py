@@ -86,17 +86,27 @@ def planned_mock(
         model="tiny-llama",
         tokenizer=str(tokenizer_dir),
         out=str(root / "unused"),
-        lr=1e-2,
+        optimizer=dict(lr=1e-2),
         seed=0,
         num_threads=1,
         device="cpu",
         export=False,
     )
-    return TrainConfig(**{**fields, **train_fields}), dataset, arrays
+    return TrainConfig.model_validate(merged_fields(fields, train_fields)), dataset, arrays
+
+
+def merged_fields(base: dict, updates: dict) -> dict:
+    """`base` with `updates`, a section (`checkpoint=dict(resume=True)`) updated field by field."""
+    out = dict(base)
+    for key, value in updates.items():
+        out[key] = (
+            merged_fields(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
 
 
 def run(base: TrainConfig, out: Path, **updates) -> TrainResult:
-    config = TrainConfig.model_validate({**base.model_dump(), "out": str(out), **updates})
+    config = TrainConfig.model_validate(merged_fields(base.model_dump(), {"out": str(out), **updates}))
     return train(config)
 
 

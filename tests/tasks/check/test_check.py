@@ -245,7 +245,7 @@ def test_training_checks_pass_on_the_real_launcher(tmp_path, source, tiny_tokeni
 
     docs, _ = _docs(tiny_tokenizer, source)
     model = save_family_model("qwen2_5", len(tiny_tokenizer), tmp_path / "model")
-    options = TrainOptions(model=str(model), lr=1e-3, warmup_steps=0)
+    options = TrainOptions(model=str(model), optimizer=dict(lr=1e-3), schedule=dict(warmup_steps=0))
     trained = [d.trained for d in docs]
     runs = run_training_checks(options, trained, len(tiny_tokenizer), str(tiny_tokenizer_dir), tmp_path / "runs", 2)
     ranks, resume = training_rows(*runs, 2, 1e-4)
@@ -305,7 +305,9 @@ def test_a_run_whose_only_checkpoint_is_its_last_is_never_counted_as_killed(
     """Nothing left to resume after the kill: not landed, tried twice, each time from an empty folder."""
     from sftflow.tasks.check.kill import kill_after_a_checkpoint
 
-    config = _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=2, checkpoint_every=100)
+    config = _run_to_kill(
+        tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, max_steps=2, checkpoint=dict(every=100, keep_last=4)
+    )
     kill = kill_after_a_checkpoint(config)
     assert not kill.landed and kill.attempts == 2 and kill.latest == 2, kill
     assert kill.logged_steps == (1, 2)
@@ -321,8 +323,9 @@ def _run_to_kill(tmp_path, source, tiny_tokenizer, tiny_tokenizer_dir, **fields)
     index, plan = sample_plan([d.trained for d in docs], len(tiny_tokenizer), tmp_path / "data", 3, seed=0)
     fields = dict(
         model=str(model), data=str(index), plan=str(plan), tokenizer=str(tiny_tokenizer_dir), out=str(tmp_path / "run"),
-        nproc=2, checkpoint_every=1, keep_last=4, export=False, device="cpu", dtype="fp32", compile="off",
-        parallel="fsdp", num_threads=1, lr=1e-3, warmup_steps=0,
+        nproc=2, checkpoint=dict(every=1, keep_last=4), export=False, device="cpu",
+        memory=dict(dtype="fp32", compile="off"), parallel="fsdp", num_threads=1, optimizer=dict(lr=1e-3),
+        schedule=dict(warmup_steps=0),
     ) | fields  # fmt: skip
     return TrainConfig(**fields)
 

@@ -35,13 +35,13 @@ def test_a_typed_model_keys_as_its_dump_and_without_its_run_details():
     def key(options: TrainOptions) -> str:
         return stage_key("train", "1", ENTRIES, {"options": options, "tokenizer": tokenizer, "work_dir": "w"})
 
-    options = TrainOptions(lr=1e-3)
+    options = TrainOptions(optimizer=dict(lr=1e-3))
     dumped = {"options": options.model_dump(mode="json"), "tokenizer": {"path": "/tok", "sha256": "c" * 64}}
     assert key(options) == stage_key("train", "1", ENTRIES, {**dumped, "work_dir": "w"})
     # The nodes of one multi-node run, and a different time limit, share the run folder.
     two_nodes = options.model_copy(update={"nnodes": 2})
     assert key(two_nodes.model_copy(update={"node_rank": 1, "timeout_s": 60.0})) == key(two_nodes)
-    assert key(options) != key(TrainOptions(lr=2e-3))
+    assert key(options) != key(TrainOptions(optimizer=dict(lr=2e-3)))
 
 
 def test_outputs_valid_detects_missing_and_changed_files(tmp_path):

@@ -284,7 +284,7 @@ def test_the_estimate_covers_every_h100_peak_closely(model, row_tokens, layers, 
 
 @pytest.mark.parametrize(
     "offload, layers, budget, measured_gib",
-    [  # benchmarks/workload.py llama8b-16k --set train.optimizer_in_backward=true (and optimizer_offload), 2026-12-05
+    [  # benchmarks/workload.py llama8b-16k --set train.optimizer.in_backward=true (and .offload), 2026-12-05
         ("off", 15, ELEMENTWISE_BUDGET, 118.1),
         (8, 9, ELEMENTWISE_BUDGET, 116.2),
         ("all", 0, 1.0, 107.6),

@@ -133,9 +133,16 @@ def _tagged_training(root, tokenizer_dir, num_ranks: int, tokens_per_rank: int, 
     (root / "plan").mkdir()
     save_plan(arrays, root / "plan" / "plan.npz")
     base = TrainConfig(
-        data=str(root / "data"), plan=str(root / "plan"), model="tiny-llama", tokenizer=str(tokenizer_dir),
-        out=str(root / "unused"), lr=1e-2, seed=0, export=False, **train,
-    )  # fmt: skip
+        data=str(root / "data"),
+        plan=str(root / "plan"),
+        model="tiny-llama",
+        tokenizer=str(tokenizer_dir),
+        out=str(root / "unused"),
+        seed=0,
+        export=False,
+        **train,
+        optimizer=dict(lr=1e-2),
+    )
     return dataset, arrays, base
 
 

@@ -12,32 +12,42 @@ from sftflow.flows.config import SFTConfig, plan_config
 from sftflow.tasks.train.activations import fits, max_row_tokens, state_bytes
 from sftflow.tasks.train.capacity import GIB, row_capacity
 from sftflow.tasks.train.config import LoraSettings, TrainOptions
+from tests.tasks.train_helpers import merged_fields
 
 LLAMA8B = str(Path(__file__).resolve().parents[3] / "benchmarks" / "workloads" / "llama-3.1-8b.json")
 H200 = 139.3
 
 
+def updated(options: TrainOptions, **sections) -> TrainOptions:
+    """`options` with some fields of its sections changed, validated again."""
+    return TrainOptions.model_validate(merged_fields(options.model_dump(), sections))
+
+
 def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     off = row_capacity(TrainOptions(model=LLAMA8B), 1, H200)
-    full = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing="full"), 1, H200)
+    full = row_capacity(TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing="full")), 1, H200)
     two = row_capacity(TrainOptions(model=LLAMA8B, nproc=2), 2, H200)
     lora = row_capacity(TrainOptions(model=LLAMA8B, lora=LoraSettings(rank=16)), 1, H200)
     offload = row_capacity(
-        TrainOptions(model=LLAMA8B, activation_checkpointing="full", activation_offload=True), 1, H200
+        TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing="full", activation_offload=True)), 1, H200
     )
     assert offload.tokens > 2 * full.tokens  # the 32 layer inputs go to the host: one layer's activations stay
     # `full` above left offload at its default, auto, which the worker may turn on; rows are planned without it
-    assert TrainOptions().activation_offload == "auto"
-    parsed = [TrainOptions(activation_offload=v).activation_offload for v in ("true", "false", True)]
+    assert TrainOptions().memory.activation_offload == "auto"
+    parsed = [
+        TrainOptions(memory=dict(activation_offload=v)).memory.activation_offload for v in ("true", "false", True)
+    ]
     assert parsed == [True, False, True] and all(isinstance(v, bool) for v in parsed)  # `--set` gives strings
     assert (off.parallel, off.mode, two.parallel, full.mode) == ("single", "off", "fsdp", "full")
     assert 0 < off.tokens < full.tokens and off.tokens < two.tokens < lora.tokens
-    half = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing=16), 1, H200)
+    half = row_capacity(TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing=16)), 1, H200)
     assert half.mode == "16 of 32 layers" and off.tokens < half.tokens < full.tokens
     # one GPU, full fine-tuning: 14 bytes a parameter (bf16 weight, int16 master bits, fp32 moments, bf16 gradient)
     assert off.state_bytes == pytest.approx(14 * 8_030_261_248)
     # fp32 gradients once micro-batches add up: 16 bytes a parameter, and rows only with checkpointing
-    accumulating = row_capacity(TrainOptions(model=LLAMA8B, activation_checkpointing="full"), 1, H200, None, True)
+    accumulating = row_capacity(
+        TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing="full")), 1, H200, None, True
+    )
     assert accumulating.state_bytes == pytest.approx(16 * 8_030_261_248) and accumulating.tokens < full.tokens
     with pytest.raises(ValueError, match="no room"):
         row_capacity(TrainOptions(model=LLAMA8B), 1, H200, accumulating=True)
@@ -53,30 +63,30 @@ def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
 
 
 def test_stepping_in_the_backward_frees_the_gradients_for_rows():
-    full = TrainOptions(model=LLAMA8B, activation_checkpointing="full", grad_clip=None)
+    full = TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing="full"), optimizer=dict(grad_clip=None))
     held = row_capacity(full, 1, H200)
-    released = row_capacity(full.model_copy(update={"optimizer_in_backward": True}), 1, H200)
+    released = row_capacity(updated(full, optimizer=dict(in_backward=True)), 1, H200)
     embedding = 128_256 * 4096  # the largest tensor: the one gradient alive at a time
     assert released.state_bytes == pytest.approx(12 * 8_030_261_248 + 2 * embedding)
     assert held.state_bytes - released.state_bytes > 13.9 * GIB and released.tokens > held.tokens
 
 
 def test_moments_on_the_host_free_8_bytes_a_parameter_less_two_slots():
-    full = TrainOptions(model=LLAMA8B, activation_checkpointing="full", grad_clip=None)
+    full = TrainOptions(model=LLAMA8B, memory=dict(activation_checkpointing="full"), optimizer=dict(grad_clip=None))
     held = row_capacity(full, 1, H200)
     layer = 218_112_000  # a Llama-3.1-8B decoder layer's parameters
-    half = row_capacity(full.model_copy(update={"optimizer_offload": 16}), 1, H200)
+    half = row_capacity(updated(full, optimizer=dict(offload=16)), 1, H200)
     assert held.state_bytes - half.state_bytes == pytest.approx(8 * 16 * layer - 16 * layer)
-    released = full.model_copy(update={"optimizer_in_backward": True})
-    everything = row_capacity(released.model_copy(update={"optimizer_offload": "all"}), 1, 80)
+    released = updated(full, optimizer=dict(in_backward=True))
+    everything = row_capacity(updated(released, optimizer=dict(offload="all")), 1, 80)
     embedding = 128_256 * 4096  # the largest unit: two slots of its moments
     assert everything.state_bytes == pytest.approx(4 * 8_030_261_248 + 2 * embedding + 16 * embedding)
     assert everything.tokens > 0  # an 8B full fine-tune on one 80 GiB GPU
     with pytest.raises(ValueError, match="no room"):
         row_capacity(released, 1, 80)
     for bad in ({"parallel": "fsdp"}, {"nproc": 2}, {"lora": {"rank": 8}}):
-        with pytest.raises(ValueError, match="optimizer_offload=2 streams the moments"):
-            TrainOptions(optimizer_offload=2, **bad)
+        with pytest.raises(ValueError, match="optimizer.offload=2 streams the moments"):
+            TrainOptions(**bad, optimizer=dict(offload=2))
 
 
 def test_a_host_without_room_for_the_offloaded_moments_is_refused_before_launch():
@@ -88,27 +98,27 @@ def test_a_host_without_room_for_the_offloaded_moments_is_refused_before_launch(
     available = available_host_bytes()
     if available is None or available >= 8 * 8_030_261_248 + HOST_HEADROOM:
         pytest.skip("this host has room for an 8B's moments")
-    everything = TrainOptions(model=LLAMA8B, parallel="single", optimizer_offload="all")
+    everything = TrainOptions(model=LLAMA8B, parallel="single", optimizer=dict(offload="all"))
     with pytest.raises(MemoryError, match=r"the offloaded AdamW moments take 59\.8 GiB of host memory"):
         check_one_device_options(everything)
-    check_one_device_options(everything.model_copy(update={"optimizer_offload": 1}))
+    check_one_device_options(updated(everything, optimizer=dict(offload=1)))
 
 
 def test_a_set_memory_budget_plans_longer_rows():
     """`activation_memory_budget: 0.7` keeps 0.7 of each layer's bytes: the row that fits grows by ~1/0.7 (`auto`
     plans at 1, as for rows that fit as they are; without compiled layers there is no budget)."""
-    released = TrainOptions(model=LLAMA8B, optimizer_in_backward=True, grad_clip=None)
+    released = TrainOptions(model=LLAMA8B, optimizer=dict(in_backward=True, grad_clip=None))
     plain = row_capacity(released, 1, H200)
-    budget = row_capacity(released.model_copy(update={"activation_memory_budget": 0.7}), 1, H200)
+    budget = row_capacity(updated(released, memory=dict(activation_memory_budget=0.7)), 1, H200)
     assert budget.tokens / plain.tokens == pytest.approx(1 / 0.7, rel=0.05)
-    eager = released.model_copy(update={"activation_memory_budget": 0.7, "compile": "off"})
+    eager = updated(released, memory=dict(activation_memory_budget=0.7, compile="off"))
     assert row_capacity(eager, 1, H200).tokens == plain.tokens
 
 
 def test_stepping_in_the_backward_says_what_it_cannot_do():
-    with pytest.raises(ValueError, match="cannot clip: set grad_clip: null"):
-        TrainOptions(optimizer_in_backward=True)
-    ok = {"optimizer_in_backward": True, "grad_clip": None}
+    with pytest.raises(ValueError, match="cannot clip: set optimizer.grad_clip: null"):
+        TrainOptions(optimizer=dict(in_backward=True))
+    ok = {"optimizer": {"in_backward": True, "grad_clip": None}}
     for bad, match in [
         ({"lora": {"rank": 8}}, "LoRA"),
         ({"parallel": "fsdp"}, "parallel: single"),
@@ -120,7 +130,7 @@ def test_stepping_in_the_backward_says_what_it_cannot_do():
     for plan in ({"micro_batches_per_step": 2}, {"target_tokens_per_step": 4096}, {"num_ranks": 2}):
         with pytest.raises(ValueError, match="plan one a step"):
             SFTConfig.model_validate({"plan": plan, "train": ok})
-    assert SFTConfig.model_validate({"plan": {"micro_batches_per_step": 1}, "train": ok}).train.optimizer_in_backward
+    assert SFTConfig.model_validate({"plan": {"micro_batches_per_step": 1}, "train": ok}).train.optimizer.in_backward
 
 
 def test_a_model_that_leaves_no_room_and_a_machine_without_a_gpu_say_what_to_do():

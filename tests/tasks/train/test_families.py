@@ -229,7 +229,7 @@ def test_two_rank_fsdp_training_from_the_folder_matches_hf_and_exports_what_it_t
     base, dataset, _ = planned_mock(
         tmp_path, VOCAB, None, plan_config, mock=mock, model=str(folder), tokenizer=None, save_grads_at_steps=(1,)
     )
-    result = run(base, tmp_path / "run", nproc=2, max_steps=2, export=True, lr=1e-3)
+    result = run(base, tmp_path / "run", nproc=2, max_steps=2, export=True, optimizer=dict(lr=1e-3))
     assert result.steps == 2
 
     plan = load_plan(tmp_path / "plan")
@@ -287,7 +287,9 @@ def test_compiled_layers_on_a_gpu_train_what_hf_computes(name, tmp_path):
     base, dataset, _ = planned_mock(
         tmp_path, VOCAB, None, plan_config, mock=mock, model=str(folder), tokenizer=None, save_grads_at_steps=(1,)
     )
-    run(base, tmp_path / "run", max_steps=1, device="cuda", dtype="fp32", compile="auto", parallel="single")
+    run(
+        base, tmp_path / "run", max_steps=1, device="cuda", parallel="single", memory=dict(dtype="fp32", compile="auto")
+    )
     rows = [[dataset[int(i)] for i in plan_row(load_plan(tmp_path / "plan"), 0, 0, 0)]]
     want_loss, want_grads = hf_reference(folder, rows)
     got_loss = losses(tmp_path / "run")[0]

@@ -1,4 +1,4 @@
-"""AdamW moments in host memory (`train.optimizer_offload`): the same steps as moments on the device, whatever order
+"""AdamW moments in host memory (`train.optimizer.offload`): the same steps as moments on the device, whatever order
 the units' gradients come in, with the optimizer after the backward or in it; the same state in checkpoints."""
 
 from __future__ import annotations

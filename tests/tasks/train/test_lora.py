@@ -31,9 +31,8 @@ def setup(tmp_path_factory):
         mock=mock,
         model=str(folder),
         tokenizer=None,
-        lr=3e-2,
-        checkpoint_every=2,
-        keep_last=10,
+        optimizer=dict(lr=3e-2),
+        checkpoint=dict(every=2, keep_last=10),
     )
     return root, folder, base, dataset
 
@@ -85,7 +84,7 @@ def test_a_resumed_run_is_the_run_that_was_not_stopped(setup, lora2):
     root, _, base, _ = setup
     resumed = root / "resumed"
     resume_from(lora2, 2, resumed)
-    run(base, resumed, nproc=2, max_steps=12, lora=LORA, resume=True)
+    run(base, resumed, nproc=2, max_steps=12, lora=LORA, checkpoint=dict(resume=True))
     assert losses(resumed) == losses(lora2)[2:]  # the resumed folder logs steps 3..12
     want = read_dcp(lora2 / "checkpoints" / "step-12", "model.")
     got = read_dcp(resumed / "checkpoints" / "step-12", "model.")
@@ -135,10 +134,18 @@ def test_lora_on_one_gpu_with_compiled_layers(tmp_path):
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=2, seed=0)
     mock = dict(num_docs=40, median_length=24, max_length=60, min_token_id=3, tokens="arithmetic")
     base, _, _ = planned_mock(
-        tmp_path, VOCAB, None, plan_config, mock=mock, model=str(folder), tokenizer=None, lr=3e-2, device="cuda"
+        tmp_path,
+        VOCAB,
+        None,
+        plan_config,
+        mock=mock,
+        model=str(folder),
+        tokenizer=None,
+        device="cuda",
+        optimizer=dict(lr=3e-2),
     )
-    run(base, tmp_path / "full", max_steps=1, compile="auto", dtype="bf16")
-    run(base, tmp_path / "lora", max_steps=12, lora=LORA, export=True, compile="auto", dtype="bf16")
+    run(base, tmp_path / "full", max_steps=1, memory=dict(compile="auto", dtype="bf16"))
+    run(base, tmp_path / "lora", max_steps=12, lora=LORA, export=True, memory=dict(compile="auto", dtype="bf16"))
     trace = losses(tmp_path / "lora")
     assert trace[0] == pytest.approx(losses(tmp_path / "full")[0], rel=1e-3)
     assert trace[-1] < trace[0]

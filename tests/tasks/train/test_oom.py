@@ -70,10 +70,10 @@ def test_a_gpu_report_gives_torchs_sizes_the_estimate_and_what_leaves_more_room(
     # the longest row full checkpointing fits in this memory, from the same estimate `auto` uses
     assert "(with full checkpointing rows up to " in line
     for option in (
-        "train.activation_checkpointing: full",
-        "train.activation_memory_budget: 0.99",
-        "train.optimizer_in_backward: true",
-        "train.optimizer_offload: all",
+        "train.memory.activation_checkpointing: full",
+        "train.memory.activation_memory_budget: 0.99",
+        "train.optimizer.in_backward: true",
+        "train.optimizer.offload: all",
         "a smaller plan.tokens_per_rank (now 65,536",
         "train.lora",
     ):
@@ -96,7 +96,7 @@ def test_the_options_leave_out_what_the_run_already_has():
     assert "plan.tokens_per_rank" in options and "train.lora" in options
     lora = " ".join(more_room(_picture(lora=True, checkpointing="selective")))
     assert "train.lora" not in lora and "optimizer_in_backward" not in lora  # adapters' optimizer state is small
-    assert "train.activation_offload: true" in lora and "activation_checkpointing: full" in lora
+    assert "train.memory.activation_offload: true" in lora and "activation_checkpointing: full" in lora
     fsdp = " ".join(more_room(_picture(parallel="fsdp", world_size=2)))
     assert "optimizer_in_backward" not in fsdp and "optimizer_offload" not in fsdp  # one-GPU path options
 

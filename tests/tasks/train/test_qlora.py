@@ -17,7 +17,7 @@ from sftflow.tasks.plan.planner import PlanConfig
 from sftflow.tasks.train.config import LoraSettings, TrainConfig
 from sftflow.tasks.train.quantize import nf4_refusal
 from tests.tasks.family_configs import family_config
-from tests.tasks.train_helpers import losses, planned_mock, read_dcp, run
+from tests.tasks.train_helpers import losses, merged_fields, planned_mock, read_dcp, run
 
 VOCAB = 101
 LORA = {"rank": 4, "alpha": 8.0}
@@ -50,9 +50,17 @@ def setup(tmp_path_factory):
     folder = save_tiny_llama(root / "base")
     plan_config = PlanConfig(num_ranks=1, tokens_per_rank=192, micro_batches_per_step=1, epochs=2, seed=0)
     base, dataset, _ = planned_mock(
-        root, VOCAB, None, plan_config, mock=MOCK, model=str(folder), tokenizer=None, lr=3e-2, lora=LORA,
+        root,
+        VOCAB,
+        None,
+        plan_config,
+        mock=MOCK,
+        model=str(folder),
+        tokenizer=None,
+        lora=LORA,
         quantize="nf4",
-    )  # fmt: skip
+        optimizer=dict(lr=3e-2),
+    )
     return root, folder, base, dataset
 
 
@@ -176,8 +184,12 @@ def test_qlora_trains_on_one_gpu_and_exports_against_the_original_base(setup, ca
     from transformers import AutoModelForCausalLM
 
     root, folder, base, dataset = setup
-    gpu = base.model_copy(update={"device": "cuda", "compile": "auto", "dtype": "bf16"})
-    run(gpu, root / "lora", max_steps=1, quantize="none", compile="off")  # eager: compiled moves it ~1e-3 at most
+    gpu = TrainConfig.model_validate(
+        merged_fields(base.model_dump(), {"device": "cuda", "memory": {"compile": "auto", "dtype": "bf16"}})
+    )
+    run(
+        gpu, root / "lora", max_steps=1, quantize="none", memory=dict(compile="off")
+    )  # eager: compiled moves it ~1e-3 at most
     with caplog.at_level(logging.INFO, logger="sftflow.train"):
         run(gpu, root / "qlora", max_steps=12, export=True)
     assert "quantize: 14 frozen linear layers in NF4" in caplog.text

@@ -40,9 +40,8 @@ def base(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         len(tiny_tokenizer),
         tiny_tokenizer_dir,
         PlanConfig(num_ranks=1, tokens_per_rank=64, micro_batches_per_step=1, epochs=2, seed=0),
-        checkpoint_every=4,
-        keep_last=1,
-        warmup_steps=2,
+        checkpoint=dict(every=4, keep_last=1),
+        schedule=dict(warmup_steps=2),
     )
     return root, config
 
@@ -74,11 +73,13 @@ def test_a_kill_during_a_save_does_not_make_pruning_delete_the_checkpoint_latest
     for file in (checkpoints / "step-8").glob("*.distcp"):
         shutil.copy(file, partial / file.name)
 
-    run(config, out, max_steps=10, resume=True)
+    run(config, out, max_steps=10, checkpoint=dict(resume=True))
     assert (checkpoints / "latest").read_text().strip() == "step-10"
     assert _complete(checkpoints) == ["step-10"]
     assert partial.is_dir()  # above the step just saved: left for the save of step 12 to replace
-    run(config, out, max_steps=12, resume=True)  # the resume that used to fail: latest named a deleted step-10
+    run(
+        config, out, max_steps=12, checkpoint=dict(resume=True)
+    )  # the resume that used to fail: latest named a deleted step-10
     assert (checkpoints / "latest").read_text().strip() == "step-12"
     assert _complete(checkpoints) == ["step-12"]
 
@@ -99,7 +100,7 @@ def test_a_metrics_line_cut_short_does_not_block_the_resume(base, three_steps):
     metrics = out / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 4, "loss": 1.2')  # the disk filled up mid-line
-    run(config, out, max_steps=6, resume=True)
+    run(config, out, max_steps=6, checkpoint=dict(resume=True))
     lines = metrics.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     assert None not in losses(out)
@@ -201,10 +202,13 @@ def test_workers_die_with_a_launcher_killed_outright_and_the_resume_is_the_only_
     import time
 
     config, _, _ = planned_mock(
-        tmp_path, len(tiny_tokenizer), tiny_tokenizer_dir,
+        tmp_path,
+        len(tiny_tokenizer),
+        tiny_tokenizer_dir,
         PlanConfig(num_ranks=1, tokens_per_rank=64, micro_batches_per_step=1, epochs=30, seed=0),
-        checkpoint_every=3, keep_last=1, warmup_steps=2,
-    )  # fmt: skip
+        checkpoint=dict(every=3, keep_last=1),
+        schedule=dict(warmup_steps=2),
+    )
     out = tmp_path / "run"
     settings = {**config.model_dump(mode="json"), "out": str(out), "max_steps": 40}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCH, json.dumps(settings)])
@@ -228,7 +232,7 @@ def test_workers_die_with_a_launcher_killed_outright_and_the_resume_is_the_only_
         for pid in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    run(config.model_copy(update={"out": str(out)}), out, resume=True, max_steps=40)
+    run(config.model_copy(update={"out": str(out)}), out, max_steps=40, checkpoint=dict(resume=True))
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 41))
 
@@ -312,11 +316,11 @@ def test_a_damaged_checkpoint_is_refused_before_it_is_loaded(base, three_steps):
     _flip(shard, shard.stat().st_size // 2)
     damaged = rf"checkpoint {step} is damaged: {shard} does not match its sha256.*no earlier checkpoint is kept"
     with pytest.raises(ValueError, match=damaged):  # keep_last 1: nothing earlier to go back to
-        run(config, out, max_steps=6, resume=True)
+        run(config, out, max_steps=6, checkpoint=dict(resume=True))
     _flip(shard, shard.stat().st_size // 2)  # repaired: the same bytes as written
     (step / ".metadata").write_bytes((step / ".metadata").read_bytes() + b"\x00")  # a crafted pickle is refused too
     with pytest.raises(ValueError, match=r"\.metadata does not match its sha256"):
-        run(config, out, max_steps=6, resume=True, init_from=None)
+        run(config, out, max_steps=6, checkpoint=dict(resume=True, init_from=None))
 
 
 class _Planted:
@@ -331,7 +335,7 @@ class _Planted:
 
 def test_a_checkpoint_without_its_checksums_is_refused_unless_trusted(base, three_steps, tmp_path):
     """Deleting `CHECKSUMS` is no way past the check: a crafted `.metadata` in a checkpoint without a listing is
-    refused before anything unpickles it, for `--resume` and `--init-from` alike; `train.trust_checkpoint` loads an
+    refused before anything unpickles it, for `--resume` and `--init-from` alike; `train.checkpoint.trust` loads an
     unlisted checkpoint the user vouches for. A file the listing does not name is refused too."""
     import pickle
 
@@ -340,9 +344,9 @@ def test_a_checkpoint_without_its_checksums_is_refused_unless_trusted(base, thre
     shutil.copytree(three_steps, out)
     step = out / "checkpoints" / "step-3"
     (step / "CHECKSUMS").unlink()
-    with pytest.raises(ValueError, match=rf"checkpoint {step} has no CHECKSUMS.*train.trust_checkpoint: true"):
-        run(config, out, max_steps=6, resume=True)
-    trusted = run(config, out, max_steps=6, resume=True, trust_checkpoint=True)
+    with pytest.raises(ValueError, match=rf"checkpoint {step} has no CHECKSUMS.*train.checkpoint.trust: true"):
+        run(config, out, max_steps=6, checkpoint=dict(resume=True))
+    trusted = run(config, out, max_steps=6, checkpoint=dict(resume=True, trust=True))
     assert trusted.steps == 6
 
     crafted = root / "crafted"
@@ -352,7 +356,7 @@ def test_a_checkpoint_without_its_checksums_is_refused_unless_trusted(base, thre
     (step / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
     (step / "CHECKSUMS").unlink()
     with pytest.raises(ValueError, match="has no CHECKSUMS"):
-        run(config, root / "from-crafted", max_steps=1, init_from=str(step))
+        run(config, root / "from-crafted", max_steps=1, checkpoint=dict(init_from=str(step)))
     assert not marker.exists()
 
     extra = root / "extra-file"
@@ -360,7 +364,7 @@ def test_a_checkpoint_without_its_checksums_is_refused_unless_trusted(base, thre
     step = extra / "checkpoints" / "step-3"
     (step / "__0_1.distcp").write_bytes(b"not written by the save")
     with pytest.raises(ValueError, match=r"__0_1.distcp is not in .*CHECKSUMS"):
-        run(config, extra, max_steps=6, resume=True)
+        run(config, extra, max_steps=6, checkpoint=dict(resume=True))
 
 
 def test_a_failed_write_leaves_no_temporary_file_and_a_full_disk_is_not_retried(tmp_path, monkeypatch):
@@ -411,7 +415,7 @@ def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base, thr
     straight, split = root / "lr-straight", root / "lr-split"
     run(config, straight, max_steps=6)
     shutil.copytree(three_steps, split)
-    run(config, split, max_steps=6, resume=True)
+    run(config, split, max_steps=6, checkpoint=dict(resume=True))
     lrs = [m["lr"] for m in metrics(straight)]
     assert [m["lr"] for m in metrics(split)] == lrs
     assert losses(split) == losses(straight)
@@ -422,7 +426,7 @@ def test_max_steps_stops_early_without_bending_the_learning_rate_curve(base, thr
     steps = load_plan(config.plan).num_steps
     assert steps > 12
     curve = schedule_config(config, steps)
-    assert lrs == pytest.approx([config.lr * lr_factor(s, curve) for s in range(6)], rel=1e-12)
+    assert lrs == pytest.approx([config.optimizer.lr * lr_factor(s, curve) for s in range(6)], rel=1e-12)
 
 
 def test_bad_input_found_inside_a_worker_is_one_located_error_not_a_traceback(base):

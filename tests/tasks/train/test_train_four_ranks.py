@@ -22,8 +22,7 @@ def four(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         tiny_tokenizer_dir,
         PlanConfig(num_ranks=4, tokens_per_rank=64, micro_batches_per_step=1, epochs=1, seed=0),
         mock=dict(num_docs=64),
-        checkpoint_every=3,
-        keep_last=10,
+        checkpoint=dict(every=3, keep_last=10),
     )
     run(base, root / "run4", nproc=4)
     return root, base, arrays.num_steps
@@ -44,7 +43,7 @@ def test_checkpoint_saved_on_four_ranks_resumes_on_two(four):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(root / "run4" / "checkpoints" / "step-3", out / "checkpoints" / "step-3")
     (out / "checkpoints" / "latest").write_text("step-3")
-    run(base, out, nproc=2, resume=True)
+    run(base, out, nproc=2, checkpoint=dict(resume=True))
     assert [m["step"] for m in metrics(out)] == list(range(4, num_steps + 1))
     for a, b in zip(losses(out), losses(root / "run4")[3:], strict=True):
         assert rel(a, b) <= 1e-4

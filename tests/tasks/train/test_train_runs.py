@@ -52,10 +52,9 @@ def setup(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         len(tiny_tokenizer),
         tiny_tokenizer_dir,
         PlanConfig(num_ranks=2, tokens_per_rank=64, micro_batches_per_step=2, epochs=2, seed=0),
-        warmup_steps=2,
-        checkpoint_every=4,
-        keep_last=10,
         save_grads_at_steps=(1,),
+        schedule=dict(warmup_steps=2),
+        checkpoint=dict(every=4, keep_last=10),
     )
     return root, base, dataset, arrays.num_steps
 
@@ -136,7 +135,7 @@ def test_activation_checkpointing_trains_bit_identically_on_fsdp(setup, run2):
     at step 1 and the same losses, to the bit."""
     root, base, _, _ = setup
     out = root / "checkpointed"
-    run(base, out, nproc=2, max_steps=4, activation_checkpointing="full")
+    run(base, out, nproc=2, max_steps=4, memory=dict(activation_checkpointing="full"))
     assert losses(out) == losses(run2)[:4]
     got = read_safetensors(out / "debug" / "grads-step-1.safetensors")
     want = read_safetensors(run2 / "debug" / "grads-step-1.safetensors")
@@ -168,7 +167,7 @@ def test_checkpoint_reshards_across_world_sizes(setup, run1, run2, saved_on, res
     source = {1: run1, 2: run2}[saved_on]
     out = root / f"reshard-{saved_on}-to-{resumed_on}"
     resume_from(source, 8, out)
-    run(base, out, nproc=resumed_on, resume=True, save_grads_at_steps=())
+    run(base, out, nproc=resumed_on, save_grads_at_steps=(), checkpoint=dict(resume=True))
     resumed, reference = losses(out), losses(source)
     assert [r["step"] for r in metrics(out)] == list(range(9, len(reference) + 1))
     for step, (a, b) in enumerate(zip(resumed, reference[8:], strict=True), 9):
@@ -178,7 +177,14 @@ def test_checkpoint_reshards_across_world_sizes(setup, run1, run2, saved_on, res
 def test_init_from_loads_only_the_model_by_default(setup, run2):
     root, base, _, _ = setup
     out = root / "init-model"
-    run(base, out, nproc=1, max_steps=0, init_from=str(run2 / "checkpoints" / "step-4"), save_grads_at_steps=())
+    run(
+        base,
+        out,
+        nproc=1,
+        max_steps=0,
+        save_grads_at_steps=(),
+        checkpoint=dict(init_from=str(run2 / "checkpoints" / "step-4")),
+    )
     source, loaded = run2 / "checkpoints" / "step-4", out / "checkpoints" / "step-0"
     want, got = read_dcp(source, "model."), read_dcp(loaded, "model.")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -199,9 +205,8 @@ def test_init_from_can_restore_optimizer_and_scheduler(setup, run2):
         out,
         nproc=1,
         max_steps=0,
-        init_from=str(source),
-        load_components=["model", "optimizer", "lr_scheduler"],
         save_grads_at_steps=(),
+        checkpoint=dict(init_from=str(source), load_components=["model", "optimizer", "lr_scheduler"]),
     )
     loaded = out / "checkpoints" / "step-0"
     for prefix in ("model.", "optimizer.state."):
@@ -240,10 +245,9 @@ def test_all_masked_micro_batch_and_zero_token_step(tmp_path, tiny_tokenizer, ti
         tokenizer=str(tiny_tokenizer_dir),
         out=str(tmp_path / "run"),
         nproc=2,
-        lr=1e-2,
-        checkpoint_every=1,
-        keep_last=5,
         export=False,
+        optimizer=dict(lr=1e-2),
+        checkpoint=dict(every=1, keep_last=5),
     )
     train(config)
     records = metrics(tmp_path / "run")

@@ -33,11 +33,10 @@ def setup(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         len(tiny_tokenizer),
         tiny_tokenizer_dir,
         PlanConfig(num_ranks=2, tokens_per_rank=96, micro_batches_per_step=1, epochs=2, seed=0),
-        warmup_steps=1,
-        checkpoint_every=3,
-        keep_last=10,
         save_grads_at_steps=(1,),
-        weight_decay=0.1,
+        schedule=dict(warmup_steps=1),
+        checkpoint=dict(every=3, keep_last=10),
+        optimizer=dict(weight_decay=0.1),
     )
     return root, base, arrays.num_steps
 
@@ -87,7 +86,16 @@ def test_single_device_bf16_matches_fsdp_mixed_precision(setup):
     runs = {}
     for parallel in ("fsdp", "single"):
         out = root / f"bf16-{parallel}"
-        run(base, out, nproc=1, parallel=parallel, dtype="bf16", checkpoint_every=0, save_grads_at_steps=(), lr=1e-3)
+        run(
+            base,
+            out,
+            nproc=1,
+            parallel=parallel,
+            save_grads_at_steps=(),
+            memory=dict(dtype="bf16"),
+            checkpoint=dict(every=0),
+            optimizer=dict(lr=1e-3),
+        )
         runs[parallel] = losses(out)
     # lr 1e-3: at 1e-2 this tiny model's bf16 runs drift apart chaotically (1% by step 20) from flips of single
     # weights across a bf16 rounding boundary, which the two optimizers' fp32 summation orders place differently
@@ -104,7 +112,7 @@ def single_to_fsdp(setup, single_fp32):
     root, base, _ = setup
     out = root / "single-to-fsdp"
     resume_from(single_fp32, 3, out)
-    run(base, out, nproc=2, parallel="fsdp", resume=True, save_grads_at_steps=())
+    run(base, out, nproc=2, parallel="fsdp", save_grads_at_steps=(), checkpoint=dict(resume=True))
     return out
 
 
@@ -124,7 +132,7 @@ def test_checkpoints_move_between_single_and_fsdp(setup, fsdp_fp32, single_fp32,
             assert max(chunks) == 2
         out = root / f"{saved}-to-{resumed}".replace(" ", "-")
         resume_from(fsdp_fp32 if saved == "fsdp" else single_to_fsdp, start, out)
-        run(base, out, nproc=1, parallel=resumed, resume=True, save_grads_at_steps=())
+        run(base, out, nproc=1, parallel=resumed, save_grads_at_steps=(), checkpoint=dict(resume=True))
         source = fsdp_fp32
     assert [r["step"] for r in metrics(out)] == list(range(start + 1, num_steps + 1))
     for step, (a, b) in enumerate(zip(losses(out), losses(source)[start:], strict=True), start + 1):
@@ -158,13 +166,11 @@ def one_rank(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
         len(tiny_tokenizer),
         tiny_tokenizer_dir,
         PlanConfig(num_ranks=1, tokens_per_rank=96, micro_batches_per_step=1, epochs=1, seed=0),
-        warmup_steps=1,
-        checkpoint_every=3,
-        keep_last=10,
-        weight_decay=0.1,
-        grad_clip=None,
         parallel="single",
-        dtype="bf16",
+        schedule=dict(warmup_steps=1),
+        checkpoint=dict(every=3, keep_last=10),
+        optimizer=dict(weight_decay=0.1, grad_clip=None),
+        memory=dict(dtype="bf16"),
     )
     return root, base, arrays.num_steps
 
@@ -174,9 +180,11 @@ def test_stepping_in_the_backward_and_moments_on_the_host_train_as_the_plain_ste
     recomputed in it, and one layer's moments in host memory), or every moment in host memory with the step after
     the backward, gives the run the plain step gives, bit for bit, and the checkpoints resume."""
     root, base, num_steps = one_rank
-    run(base, root / "after", activation_checkpointing="off")
-    run(base, root / "during", activation_checkpointing="full", optimizer_in_backward=True, optimizer_offload=1)
-    run(base, root / "host", optimizer_offload="all")
+    run(base, root / "after", memory=dict(activation_checkpointing="off"))
+    run(
+        base, root / "during", memory=dict(activation_checkpointing="full"), optimizer=dict(in_backward=True, offload=1)
+    )
+    run(base, root / "host", optimizer=dict(offload="all"))
     after = metrics(root / "after")
     assert len(after) == num_steps >= 6
     for name in ("during", "host"):
@@ -188,21 +196,26 @@ def test_stepping_in_the_backward_and_moments_on_the_host_train_as_the_plain_ste
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
     out = root / "resumed"
     resume_from(root / "during", 3, out)
-    run(base, out, resume=True, optimizer_in_backward=True, optimizer_offload="all")
+    run(base, out, checkpoint=dict(resume=True), optimizer=dict(in_backward=True, offload="all"))
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in after][3:]
 
 
 def test_stepping_in_the_backward_refuses_a_plan_of_several_micro_batches(setup):
     root, base, _ = setup  # planned for 2 ranks: one process takes 2 micro-batches a step
     with pytest.raises(ValueError, match="has 2 a step on each of 1 process"):
-        run(base, root / "refused-in-backward", parallel="single", grad_clip=None, save_grads_at_steps=(),
-            optimizer_in_backward=True)  # fmt: skip
+        run(
+            base,
+            root / "refused-in-backward",
+            parallel="single",
+            save_grads_at_steps=(),
+            optimizer=dict(grad_clip=None, in_backward=True),
+        )
 
 
 def test_one_device_options_are_refused_before_launch_where_auto_means_fsdp(one_rank):
     root, base, _ = one_rank
     with pytest.raises(ValueError, match="set train.parallel: single"):
-        run(base, root / "refused-auto", parallel="auto", optimizer_in_backward=True)  # the CPU: auto is FSDP
+        run(base, root / "refused-auto", parallel="auto", optimizer=dict(in_backward=True))  # the CPU: auto is FSDP
     assert not (root / "refused-auto" / "run.json").exists()  # refused before the launch wrote anything
 
 
@@ -213,9 +226,16 @@ def test_a_one_gpu_run_resumes_its_masters_and_moments_from_a_checkpoint(one_ran
     the loss the uninterrupted run computed there, bit for bit, and the rest follow it."""
     root, base, num_steps = one_rank
     whole, out = root / "cuda", root / "cuda-resumed"
-    run(base, whole, device="cuda", compile="off", grad_clip=1.0)
+    run(base, whole, device="cuda", memory=dict(compile="off"), optimizer=dict(grad_clip=1.0))
     resume_from(whole, 3, out)
-    run(base, out, device="cuda", compile="off", grad_clip=1.0, resume=True)
+    run(
+        base,
+        out,
+        device="cuda",
+        memory=dict(compile="off"),
+        optimizer=dict(grad_clip=1.0),
+        checkpoint=dict(resume=True),
+    )
     want, got = [r["loss"] for r in metrics(whole)][3:], [r["loss"] for r in metrics(out)]
     assert len(got) == len(want) == num_steps - 3
     assert got[0] == want[0]

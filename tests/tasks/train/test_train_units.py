@@ -110,9 +110,12 @@ def _config(**kw) -> TrainConfig:
 
 
 def test_config_validation_names_the_field():
-    assert _config(load_components="model,optimizer").load_components == ("model", "optimizer")
+    assert _config(checkpoint=dict(load_components="model,optimizer")).checkpoint.load_components == (
+        "model",
+        "optimizer",
+    )
     with pytest.raises(ValueError, match="unknown component.*'optimiser'"):
-        _config(load_components=["model", "optimiser"])
+        _config(checkpoint=dict(load_components=["model", "optimiser"]))
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         _config(nnodes=2)
     with pytest.raises(ValueError, match="node_rank=2"):
