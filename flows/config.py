@@ -67,10 +67,12 @@ class DataConfig(BaseModel):
         "max_tokens, epochs}",
     )
     tokenizer: str = Field(description="tokenizer folder or hub id")
-    render: RenderConfig = RenderConfig()
-    spans: SpansConfig = SpansConfig()
-    index: IndexConfig = IndexConfig()
-    task_runner: Literal["threads", "processes", "dask"] = "threads"
+    render: RenderConfig = Field(RenderConfig(), description="records to text and trained character spans")
+    spans: SpansConfig = Field(SpansConfig(), description="text to token ids and token loss spans")
+    index: IndexConfig = Field(IndexConfig(), description="filters, deduplication and the train/eval split")
+    task_runner: Literal["threads", "processes", "dask"] = Field(
+        "threads", description="where the per-shard stages run"
+    )
     workers: int | None = Field(
         default=None, ge=1, description="task-runner workers (default: one per core this process may use)"
     )
@@ -129,12 +131,18 @@ class PlanSection(BaseModel):
         gt=0,
         description="free GiB on one training GPU, for tokens_per_rank: auto (default: this machine's first GPU)",
     )
-    micro_batches_per_step: int | None = Field(None, ge=1)
-    target_tokens_per_step: int | None = Field(None, ge=1)
-    epochs: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
-    mode: Literal["packed", "padded", "iterative"] = "packed"
-    drop_last: bool = False
+    micro_batches_per_step: int | None = Field(None, ge=1, description="gradient accumulation: micro-batches a step")
+    target_tokens_per_step: int | None = Field(
+        None, ge=1, description="or gradient accumulation sized by trained tokens per step"
+    )
+    epochs: int = Field(1, ge=1, description="passes over the training data")
+    seed: int = Field(0, ge=0, description="seed of each epoch's shuffle (and a mixture's draw)")
+    mode: Literal["packed", "padded", "iterative"] = Field(
+        "packed",
+        description="packed: documents share rows (varlen attention); padded: for models without varlen attention; "
+        "iterative: one document a row",
+    )
+    drop_last: bool = Field(False, description="drop the last partial step instead of spreading it over the ranks")
     too_long: Literal["drop", "error"] = Field(
         "drop",
         description="a document longer than a row: drop it (counted in stats.json, the longest named in a warning) "
@@ -151,25 +159,25 @@ class DemoConfig(BaseModel):
     """Generate the bundled demo data and tokenizer into `work_dir/demo` and train on them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    records: int = Field(4000, ge=10)
-    seed: int = 0
+    records: int = Field(4000, ge=10, description="generated conversations")
+    seed: int = Field(0, description="seed of the generated data")
     bench: bool = Field(False, description="also benchmark base vs tuned on the demo's arithmetic and capitals tasks")
 
 
 class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    work_dir: str = "sftflow-out"
+    work_dir: str = Field("sftflow-out", description="where every stage writes (relative to the config file)")
     train_retries: int = Field(2, ge=0, description="automatic resumes of a failed training run")
-    demo: DemoConfig | None = None
-    data: DataConfig | None = None
-    plan: PlanSection = PlanSection()
-    train: TrainOptions = TrainOptions()
-    eval: EvalConfig = EvalConfig()
-    promote: PromoteConfig = PromoteConfig()
-    bench: BenchConfig = BenchConfig()
-    track: TrackConfig = TrackConfig()
-    check: CheckConfig = CheckConfig()
+    demo: DemoConfig | None = Field(None, description="generate the demo data and tokenizer instead of `data`")
+    data: DataConfig | None = Field(None, description="the sources and how they become training data")
+    plan: PlanSection = Field(PlanSection(), description="rows, micro-batches and steps")
+    train: TrainOptions = Field(TrainOptions(), description="the model and how it trains")
+    eval: EvalConfig = Field(EvalConfig(), description="what the evaluation report covers")
+    promote: PromoteConfig = Field(PromoteConfig(), description="the promotion gate and where it publishes")
+    bench: BenchConfig = Field(BenchConfig(), description="benchmark tasks")
+    track: TrackConfig = Field(TrackConfig(), description="experiment trackers")
+    check: CheckConfig = Field(CheckConfig(), description="`sftflow check`: samples and bounds")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:

@@ -27,9 +27,9 @@ class LoraSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rank: int = Field(16, ge=1)
-    alpha: float | None = Field(None, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, ge=1, description="adapter rank")
+    alpha: float | None = Field(None, gt=0, description="adapter scale numerator (default: twice the rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     targets: str | tuple[str, ...] = Field("all-linear", description="'all-linear' or module names (q_proj, ...)")
     merge: bool = Field(True, description="also export the merged full model in hf/")
 
@@ -64,12 +64,12 @@ class TrainOptions(BaseModel):
 
     # launch
     nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
+    nnodes: int = Field(1, ge=1, description="torchrun nodes")
+    node_rank: int = Field(0, ge=0, description="this node's rank among the nodes")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
     rdzv_id: str | None = Field(None, description="rendezvous id shared by all nodes of one run (multi-node)")
     timeout_s: float | None = Field(None, gt=0, description="kill the training process group after this long")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when there is a GPU")
     num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
 
     # optimisation
@@ -79,16 +79,16 @@ class TrainOptions(BaseModel):
     schedule_steps: int | None = Field(
         None, ge=1, description="steps the learning-rate schedule spans (default: the plan's steps)"
     )
-    lr: float = Field(2e-5, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    seed: int = 0
+    lr: float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a share of lr")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after the warmup")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm (null: no clipping)")
+    seed: int = Field(0, description="torch seed of the workers (random initialisation, dropout)")
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="compute dtype; auto = bf16 on CUDA, fp32 on CPU"
     )
@@ -145,21 +145,21 @@ class TrainOptions(BaseModel):
         description="false: no DCP checkpoint at all, not even at the end (the run cannot resume; the export is "
         "still written): throughput runs of models whose optimizer state outgrows the disk",
     )
-    keep_last: int = Field(2, ge=1)
-    resume: bool = False
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
+    resume: bool = Field(False, description="continue from the run folder's latest checkpoint")
     init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
     trust_checkpoint: bool = Field(
         False,
         description="load a checkpoint that has no CHECKSUMS (an older sftflow's, or one made by hand): it cannot be "
         "checked, and loading unpickles its .metadata, so only one you trust",
     )
-    load_components: tuple[str, ...] = ("model",)
-    export: bool = True
-    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    load_components: tuple[str, ...] = Field(("model",), description="what init_from loads (model, optimizer, ...)")
+    export: bool = Field(True, description="write the Hugging Face folder hf/ at the end")
+    export_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="dtype of the exported weights")
 
     # metrics
-    ema_alpha: float = Field(0.9, ge=0, lt=1)
-    log_every: int = Field(1, ge=1)
+    ema_alpha: float = Field(0.9, ge=0, lt=1, description="smoothing of the step-time EMA behind the ETA")
+    log_every: int = Field(1, ge=1, description="log (and write to metrics.jsonl) every this many steps")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
     save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
 
