@@ -21,25 +21,21 @@ from sftflow.tasks.data.index_config import IndexConfig
 from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
-from sftflow.tasks.plan.config import PlanConfig, SourceShare
+from sftflow.tasks.plan.config import PlanConfig, SourceAmount, SourceShare
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions
 
 
-class SourceSpec(BaseModel):
+class SourceSpec(SourceAmount):
     """One data source and, for a mixture, how much of it each epoch takes (trained tokens): a `weight` (share of
     the mix), `max_tokens` (a cap) or `epochs` (passes, fractions allowed); see `sftflow.tasks.plan.mixture`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = Field(None, description="JSONL / Parquet file or local `datasets` folder")
     hub: str | None = Field(None, description="or a Hugging Face Hub dataset id, read through `datasets`")
     revision: str | None = Field(None, description="the hub dataset's commit (default: resolved once and recorded)")
     subset: str | None = Field(None, description="the hub dataset's configuration (`name` in `load_dataset`)")
     split: str | None = Field(None, description="the hub dataset's split (default: train)")
     name: str | None = Field(None, description="name in stats and per-source metrics (default: file name or hub id)")
-    weight: float | None = Field(None, ge=0, description="share of the mix's trained tokens (0: leave it out)")
-    max_tokens: int | None = Field(None, ge=1, description="at most this many trained tokens per epoch")
-    epochs: float | None = Field(None, ge=0, description="passes over this source per epoch (0.5: half, 0: none)")
 
     @model_validator(mode="after")
     def _one_location(self):
@@ -51,11 +47,7 @@ class SourceSpec(BaseModel):
 
     @property
     def share(self) -> SourceShare:
-        return SourceShare(name=self.name, weight=self.weight, max_tokens=self.max_tokens, epochs=self.epochs)
-
-    @property
-    def mixes(self) -> bool:
-        return self.weight is not None or self.max_tokens is not None or self.epochs is not None
+        return SourceShare(name=self.name, **{key: getattr(self, key) for key in SourceAmount.model_fields})
 
 
 class DataConfig(BaseModel):
@@ -117,44 +109,6 @@ class DataConfig(BaseModel):
         return tuple(s.share for s in specs) if any(s.mixes for s in specs) else ()
 
 
-class PlanSection(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    num_ranks: int | None = Field(None, ge=1, description="data-parallel ranks (default: train.nproc × train.nnodes)")
-    tokens_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        2048,
-        description="tokens in one packed row on one rank, or auto: the longest row the training GPUs' memory fits "
-        "beside the model's weights and optimizer state, with train.activation_checkpointing (auto plans for rows "
-        "that fit without it)",
-    )
-    device_memory_gib: float | None = Field(
-        None,
-        gt=0,
-        description="free GiB on one training GPU, for tokens_per_rank: auto (default: this machine's first GPU)",
-    )
-    micro_batches_per_step: int | None = Field(None, ge=1, description="gradient accumulation: micro-batches a step")
-    target_tokens_per_step: int | None = Field(
-        None, ge=1, description="or gradient accumulation sized by trained tokens per step"
-    )
-    epochs: int = Field(1, ge=1, description="passes over the training data")
-    seed: int = Field(0, ge=0, description="seed of each epoch's shuffle (and a mixture's draw)")
-    mode: Literal["packed", "padded", "iterative"] = Field(
-        "packed",
-        description="packed: documents share rows (varlen attention); padded: for models without varlen attention; "
-        "iterative: one document a row",
-    )
-    drop_last: bool = Field(False, description="drop the last partial step instead of spreading it over the ranks")
-    too_long: Literal["drop", "error"] = Field(
-        "drop",
-        description="a document longer than a row: drop it (counted in stats.json, the longest named in a warning) "
-        "or stop with an error naming it",
-    )
-    cost_table: str | list[tuple[int, float]] | None = Field(
-        None,
-        description="measured step time per token by document length (a file from benchmarks/cost_table.py, or "
-        "[[length, time], ...]): the planner balances ranks by it instead of the a·L + b·L² estimate",
-    )
-
-
 class DemoConfig(BaseModel):
     """Generate the bundled demo data and tokenizer into `work_dir/demo` and train on them."""
 
@@ -171,7 +125,7 @@ class SFTConfig(BaseModel):
     train_retries: int = Field(2, ge=0, description="automatic resumes of a failed training run")
     demo: DemoConfig | None = Field(None, description="generate the demo data and tokenizer instead of `data`")
     data: DataConfig | None = Field(None, description="the sources and how they become training data")
-    plan: PlanSection = Field(PlanSection(), description="rows, micro-batches and steps")
+    plan: PlanConfig = Field(PlanConfig(), description="rows, micro-batches and steps")
     train: TrainOptions = Field(TrainOptions(), description="the model and how it trains")
     eval: EvalConfig = Field(EvalConfig(), description="what the evaluation report covers")
     promote: PromoteConfig = Field(PromoteConfig(), description="the promotion gate and where it publishes")
@@ -202,6 +156,14 @@ class SFTConfig(BaseModel):
                 "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
                 "training processes): plan one a step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _plan_leaves_the_flow_its_fields(self) -> SFTConfig:
+        if self.plan.mixture:
+            raise ValueError("plan.mixture: set each source's weight, max_tokens or epochs in data.sources instead")
+        if self.plan.max_steps is not None:
+            raise ValueError("plan.max_steps: set train.max_steps instead")
         return self
 
     @model_validator(mode="after")
@@ -377,7 +339,10 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
     for error in errors:
         loc = [str(part) for part in error["loc"]]
         where = ".".join(loc)
-        if error["type"] == "extra_forbidden":
+        moved = _moved_key(model, loc)
+        if error["type"] == "extra_forbidden" and moved is not None:
+            problems.append(f"'{where}' is now '{moved}'")
+        elif error["type"] == "extra_forbidden":
             valid = _field_names(model, loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.6)
             if close:
@@ -388,6 +353,12 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
         else:
             problems.append(f"'{where}': {error['msg']}" if where else error["msg"])
     return "; ".join(problems)
+
+
+def _moved_key(model: type[BaseModel], loc: list[str]) -> str | None:
+    """The key that replaced the removed key at `loc` (its section's `moved_keys`), or None."""
+    section = _model_at(model, loc[:-1])
+    return getattr(section, "moved_keys", {}).get(loc[-1]) if section is not None and loc else None
 
 
 def _relative_to(config_path: Path, value: str) -> Path:
@@ -451,23 +422,24 @@ def bench_config(cfg: SFTConfig) -> BenchConfig:
 
 
 def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
-    """The planner's settings from the run config; `tokens_per_rank: auto` becomes the longest row the training GPUs
-    fit (`sftflow.tasks.train.capacity`), so the plan's cache key holds the number it planned with. `vocab_size`: the
-    data's, for a preset model (whose vocabulary comes from the data)."""
-    section = cfg.plan.model_dump()
-    num_ranks = section.pop("num_ranks") or cfg.train.nproc * cfg.train.nnodes
-    memory_gib = section.pop("device_memory_gib")
-    if section["tokens_per_rank"] == "auto":
+    """The `plan` section with what it leaves to the flow filled in: `num_ranks`, the mixture of `data.sources`, and
+    `tokens_per_rank: auto` as the longest row the training GPUs fit (`sftflow.tasks.train.capacity`), so the plan's
+    cache key holds the number it planned with. `vocab_size`: the data's, for a preset model (whose vocabulary comes
+    from the data)."""
+    num_ranks = cfg.plan.num_ranks or cfg.train.nproc * cfg.train.nnodes
+    tokens_per_rank = cfg.plan.tokens_per_rank
+    if tokens_per_rank == "auto":
         from sftflow.tasks.train.capacity import row_capacity
 
-        accumulating = cfg.accumulates()
-        section["tokens_per_rank"] = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size, accumulating).tokens
+        memory_gib, accumulating = cfg.plan.device_memory_gib, cfg.accumulates()
+        tokens_per_rank = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size, accumulating).tokens
     mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
-    return PlanConfig(num_ranks=num_ranks, mixture=mixture, **section)
+    resolved = {"num_ranks": num_ranks, "tokens_per_rank": tokens_per_rank, "device_memory_gib": None}
+    return PlanConfig.model_validate({**cfg.plan.model_dump(), **resolved, "mixture": mixture})
 
 
 def validated_models() -> dict[str, type[BaseModel]]:
     """The config models the CLI validates, by name (a `ValidationError` names its model), for error messages."""
     from sftflow.tasks.train.config import TrainConfig
 
-    return {m.__name__: m for m in (SFTConfig, DataConfig, PlanSection, PlanConfig, TrainConfig, TrainOptions)}
+    return {m.__name__: m for m in (SFTConfig, DataConfig, PlanConfig, TrainConfig, TrainOptions)}

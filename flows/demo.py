@@ -17,9 +17,11 @@ def demo_config_text() -> str:
     return resources.files("sftflow.flows").joinpath(DEMO_CONFIG).read_text()
 
 
-def demo_config(work_dir: str = "sftflow-out") -> SFTConfig:
+def demo_config(work_dir: str | None = None) -> SFTConfig:
+    """The demo's config; `work_dir` replaces its own."""
     import yaml
 
     raw = yaml.safe_load(demo_config_text())
-    raw["work_dir"] = work_dir
+    if work_dir is not None:
+        raw["work_dir"] = work_dir
     return SFTConfig.model_validate(raw)

@@ -3,7 +3,7 @@ CLI's `train` and `plan` commands read that config on machines that may lack Pre
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,8 +45,11 @@ class NearDedupConfig(BaseModel):
 
 
 class IndexConfig(BaseModel):
+    """Which tokenized documents the dataset index keeps and how it splits them. The longest document is
+    `data.spans.max_length`: tokenization drops or truncates what is longer, so the index never sees it."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
-    max_length: int | None = Field(default=None, ge=1, description="drop documents longer than this (tokens)")
+    moved_keys: ClassVar[dict[str, str]] = {"max_length": "data.spans.max_length"}
     dedup: bool = Field(True, description="drop exact duplicates")
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="held-out share, by content hash")
     split_salt: str = Field("sftflow", description="salt of the content hash that splits train and eval")

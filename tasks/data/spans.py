@@ -72,7 +72,9 @@ class SpansConfig(BaseModel):
         description="auto: append a trained EOS when the document's last non-whitespace token is trained and is no "
         "stop (EOS or a special token); always: append EOS unless that token is EOS; no policy doubles a trained stop",
     )
-    max_length: int | None = Field(default=None, ge=1, description="longest document in tokens")
+    max_length: int | None = Field(
+        default=None, ge=1, description="longest document in tokens; a longer one is dropped or truncated"
+    )
     length_policy: Literal["drop", "truncate"] = Field(
         "drop", description="a longer document is dropped, or cut to the longest prefix that still trains something"
     )

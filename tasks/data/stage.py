@@ -342,7 +342,6 @@ def index_task(
     info = build_index(
         [s.path for s in shards],
         out_dir,
-        max_length=config.max_length,
         dedup=config.dedup,
         eval_fraction=config.eval_fraction,
         split_salt=config.split_salt,

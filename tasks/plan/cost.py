@@ -23,8 +23,8 @@ CostPoints = tuple[tuple[int, float], ...]
 
 @dataclass(frozen=True)
 class DocCost:
-    a: float = 1.0
-    b: float = 0.0
+    a: float
+    b: float
     table: CostPoints = ()
     # the table as arrays, and the slope above its longest length: made once, since the tail's LPT spread calls
     # this once per document

@@ -103,6 +103,7 @@ class PlanArrays:
 
 
 def _check_inputs(lengths: np.ndarray, loss_token_counts: np.ndarray, config: PlanConfig, describe) -> None:
+    config.require_resolved()
     if lengths.ndim != 1 or loss_token_counts.shape != lengths.shape:
         raise ValueError(
             f"lengths {lengths.shape} and loss_token_counts {loss_token_counts.shape} must be 1-D of equal length"

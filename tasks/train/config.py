@@ -280,8 +280,8 @@ class OptimConfig:
     weight_decay: float
     grad_clip: float | None
     max_nonfinite_steps: int
-    in_backward: bool = False  # step each parameter in the backward and drop its gradient (one device)
-    offload: str | int = "off"  # whose moments live in host memory (one device; `host_moments.offload_units`)
+    in_backward: bool  # step each parameter in the backward and drop its gradient (one device)
+    offload: str | int  # whose moments live in host memory (one device; `host_moments.offload_units`)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,12 +18,12 @@ from sftflow.tasks.plan.planner import PlanConfig, plan, plan_stats
 def test_a_table_of_the_two_term_model_reproduces_it_and_continues_past_its_end():
     a, b = 3.0, 1 / 512
     table = tuple((L, a + b * L) for L in (1, 256, 1024, 4096))  # per-token time of a·L + b·L²
-    model, measured = DocCost(a=a, b=b), DocCost(table=table)
+    model, measured = DocCost(a=a, b=b), DocCost(a=1.0, b=0.0, table=table)
     lengths = np.array([1, 7, 256, 300, 1000, 4096, 5000, 65536])
     np.testing.assert_allclose(measured(lengths), model(lengths), rtol=1e-12)
     assert measured(100) == pytest.approx(model(100))  # a scalar in, a float out
     # below the shortest length the per-token time is held, not extrapolated
-    short = DocCost(table=((64, 2.0), (128, 3.0)))
+    short = DocCost(a=1.0, b=0.0, table=((64, 2.0), (128, 3.0)))
     assert short(16) == pytest.approx(16 * 2.0) and short(256) == pytest.approx(256 * 5.0)
 
 

@@ -13,7 +13,16 @@ from sftflow.tasks.train.host_moments import HOST_HEADROOM, HostMoments, check_h
 from sftflow.tasks.train.single_device import MasterAdamW
 from sftflow.tasks.train.worker import optimizer_step, param_groups
 
-OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=None, max_nonfinite_steps=3)
+OPTIM = OptimConfig(
+    lr=1e-2,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.1,
+    grad_clip=None,
+    max_nonfinite_steps=3,
+    in_backward=False,
+    offload="off",
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

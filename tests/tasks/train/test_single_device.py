@@ -17,7 +17,16 @@ from sftflow.tasks.train.config import OptimConfig
 from sftflow.tasks.train.single_device import MasterAdamW
 from sftflow.tasks.train.worker import build_optimizer, gradients, optimizer_step, param_groups
 
-OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0, max_nonfinite_steps=3)
+OPTIM = OptimConfig(
+    lr=1e-2,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    max_nonfinite_steps=3,
+    in_backward=False,
+    offload="off",
+)
 
 
 def _net(seed=0) -> nn.Module:
