@@ -59,10 +59,12 @@ class DataConfig(BaseModel):
         "max_tokens, epochs}",
     )
     tokenizer: str = Field(description="tokenizer folder or hub id")
-    render: RenderConfig = RenderConfig()
-    spans: SpansConfig = SpansConfig()
-    index: IndexConfig = IndexConfig()
-    task_runner: Literal["threads", "processes", "dask"] = "threads"
+    render: RenderConfig = Field(RenderConfig(), description="records to text and trained character spans")
+    spans: SpansConfig = Field(SpansConfig(), description="text to token ids and token loss spans")
+    index: IndexConfig = Field(IndexConfig(), description="filters, deduplication and the train/eval split")
+    task_runner: Literal["threads", "processes", "dask"] = Field(
+        "threads", description="where the per-shard stages run"
+    )
     workers: int | None = Field(
         default=None, ge=1, description="task-runner workers (default: one per core this process may use)"
     )
@@ -111,25 +113,25 @@ class DemoConfig(BaseModel):
     """Generate the bundled demo data and tokenizer into `work_dir/demo` and train on them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    records: int = Field(4000, ge=10)
-    seed: int = 0
+    records: int = Field(4000, ge=10, description="generated conversations")
+    seed: int = Field(0, description="seed of the generated data")
     bench: bool = Field(False, description="also benchmark base vs tuned on the demo's arithmetic and capitals tasks")
 
 
 class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    work_dir: str = "sftflow-out"
+    work_dir: str = Field("sftflow-out", description="where every stage writes (relative to the config file)")
     train_retries: int = Field(2, ge=0, description="automatic resumes of a failed training run")
-    demo: DemoConfig | None = None
-    data: DataConfig | None = None
-    plan: PlanConfig = PlanConfig()
-    train: TrainOptions = TrainOptions()
-    eval: EvalConfig = EvalConfig()
-    promote: PromoteConfig = PromoteConfig()
-    bench: BenchConfig = BenchConfig()
-    track: TrackConfig = TrackConfig()
-    check: CheckConfig = CheckConfig()
+    demo: DemoConfig | None = Field(None, description="generate the demo data and tokenizer instead of `data`")
+    data: DataConfig | None = Field(None, description="the sources and how they become training data")
+    plan: PlanConfig = Field(PlanConfig(), description="rows, micro-batches and steps")
+    train: TrainOptions = Field(TrainOptions(), description="the model and how it trains")
+    eval: EvalConfig = Field(EvalConfig(), description="what the evaluation report covers")
+    promote: PromoteConfig = Field(PromoteConfig(), description="the promotion gate and where it publishes")
+    bench: BenchConfig = Field(BenchConfig(), description="benchmark tasks")
+    track: TrackConfig = Field(TrackConfig(), description="experiment trackers")
+    check: CheckConfig = Field(CheckConfig(), description="`sftflow check`: samples and bounds")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SFTConfig:

@@ -126,7 +126,7 @@ class EvalConfig(BaseModel):
     max_docs: int | None = Field(default=512, ge=1, description="eval documents for loss/accuracy (None: all)")
     max_generations: int = Field(default=64, ge=0, description="documents to greedy-generate answers for")
     num_examples: int = Field(default=4, ge=0, description="examples shown in the report")
-    compare_base: bool = True
+    compare_base: bool = Field(True, description="evaluate the base model too, side by side")
 
 
 class ModelRef(BaseModel):

@@ -37,11 +37,11 @@ class NearDedupConfig(BaseModel):
     """Near-duplicate documents by MinHash/LSH over word shingles (`sftflow.tasks.data.near_dup`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    enabled: bool = False
+    enabled: bool = Field(False, description="drop near-duplicate documents")
     threshold: float = Field(0.8, gt=0.0, le=1.0, description="estimated Jaccard similarity at which a doc is dropped")
     shingle: int = Field(5, ge=1, description="words per shingle")
     num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations (more: a closer Jaccard estimate)")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="seed of the MinHash permutations")
 
 
 class IndexConfig(BaseModel):
@@ -50,11 +50,11 @@ class IndexConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     moved_keys: ClassVar[dict[str, str]] = {"max_length": "data.spans.max_length"}
-    dedup: bool = True
-    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
-    split_salt: str = "sftflow"
-    decontaminate: DecontamConfig = DecontamConfig()
-    near_dedup: NearDedupConfig = NearDedupConfig()
+    dedup: bool = Field(True, description="drop exact duplicates")
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="held-out share, by content hash")
+    split_salt: str = Field("sftflow", description="salt of the content hash that splits train and eval")
+    decontaminate: DecontamConfig = Field(DecontamConfig(), description="drop or flag overlaps with benchmarks")
+    near_dedup: NearDedupConfig = Field(NearDedupConfig(), description="MinHash near-duplicate removal")
 
     @property
     def reads_text(self) -> bool:

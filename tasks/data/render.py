@@ -42,20 +42,37 @@ class RenderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text_spans"] = "auto"
-    template: str | None = "auto"
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text_spans"] = Field(
+        "auto", description="the records' format (auto: detected per file)"
+    )
+    template: str | None = Field(
+        "auto",
+        description="auto: the built-in tagged template that renders what the tokenizer's renders; tokenizer or null: "
+        "the tokenizer's own; a built-in name (chatml, llama3, llama3_1, llama3_2, qwen2_5, qwen3, smollm3, gemma, "
+        "gemma3, phi3, phi4, phi4_mini, zephyr, mistral); or a .jinja file",
+    )
     template_tokens: tuple[str, ...] | None = Field(
         None,
         description="special tokens your own .jinja template writes (e.g. ['<|im_start|>', '<|im_end|>']): those the "
         "tokenizer lacks are added to a copy of it as single tokens, and training grows the model's embeddings to "
         "match; [] keeps them as text. Built-in templates declare their own",
     )
-    mask_policy: Literal["generation", "roles"] = "generation"
-    train_roles: tuple[Literal["system", "user", "assistant", "tool"], ...] = ("assistant",)
-    on_bad_record: Literal["error", "reject"] = "error"
-    text_spans: Literal["train", "exclude"] = "train"
-    text_field: str = "text"
-    spans_field: str = "spans"
+    mask_policy: Literal["generation", "roles"] = Field(
+        "generation",
+        description="generation: train the template's {% generation %} spans; roles: train train_roles, found by "
+        "rendering conversation prefixes (the template must be prefix-stable)",
+    )
+    train_roles: tuple[Literal["system", "user", "assistant", "tool"], ...] = Field(
+        ("assistant",), description="roles trained under mask_policy: roles"
+    )
+    on_bad_record: Literal["error", "reject"] = Field(
+        "error", description="error: stop with file:line and field; reject: write rejects.jsonl and count"
+    )
+    text_spans: Literal["train", "exclude"] = Field(
+        "train", description="for text + spans records: train the spans, or everything but them"
+    )
+    text_field: str = Field("text", description="the text field of text + spans records")
+    spans_field: str = Field("spans", description="the character-spans field of text + spans records")
     tag_field: str | None = Field(
         "tag", description="a record field whose value (a string) labels the record; metrics break down by it"
     )

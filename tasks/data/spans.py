@@ -64,16 +64,24 @@ logger = logging.getLogger(__name__)
 class SpansConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bos: Literal["auto", "never"] = "auto"
-    eos: Literal["auto", "always", "never"] = "auto"
+    bos: Literal["auto", "never"] = Field(
+        "auto", description="auto: add BOS only if the tokenizer adds one itself and the text lacks it"
+    )
+    eos: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="auto: append a trained EOS when the document's last non-whitespace token is trained and is no "
+        "stop (EOS or a special token); always: append EOS unless that token is EOS; no policy doubles a trained stop",
+    )
     max_length: int | None = Field(
         default=None, ge=1, description="longest document in tokens; a longer one is dropped or truncated"
     )
     length_policy: Literal["drop", "truncate"] = Field(
-        default="drop", description="a document over max_length: drop it, or cut it to max_length tokens"
+        "drop", description="a longer document is dropped, or cut to the longest prefix that still trains something"
     )
-    batch_size: int = Field(default=256, ge=1)
-    tokenizer_backend: Literal["auto", "hf", "tiktoken"] = "auto"
+    batch_size: int = Field(default=256, ge=1, description="texts per tokenizer call")
+    tokenizer_backend: Literal["auto", "hf", "tiktoken"] = Field(
+        "auto", description="auto: tiktoken where it reproduces the tokenizer exactly, else HF"
+    )
 
 
 class TokenizeStats(BaseModel):

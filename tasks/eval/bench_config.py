@@ -25,7 +25,7 @@ class BenchTask(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str = Field(description="the task's name in reports and gate rules")
     path: str = Field(description="JSONL task file (relative paths: relative to the config file)")
-    kind: Literal["generate", "choice"]
+    kind: Literal["generate", "choice"] = Field(description="generate: exact match; choice: log-likelihood")
     answer_pattern: str | None = Field(None, description="generate: regex whose last match in the output is the answer")
     reference_pattern: str | None = Field(
         None,
@@ -64,7 +64,7 @@ class BenchConfig(BaseModel):
     lm_eval_include: str | None = Field(
         None, description="a folder of lm-eval task YAMLs (for tasks over local `data_files`), added to its registry"
     )
-    compare_base: bool = True
+    compare_base: bool = Field(True, description="score the base model too")
     compare_champion: bool = Field(
         True, description="also score the registry's champion (when there is one other than the tuned model)"
     )

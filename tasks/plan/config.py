@@ -68,23 +68,31 @@ class PlanConfig(BaseModel):
         gt=0,
         description="free GiB on one training GPU, for tokens_per_rank: auto (default: this machine's first GPU)",
     )
-    micro_batches_per_step: int | None = Field(None, ge=1)
-    target_tokens_per_step: int | None = Field(None, ge=1)
-    epochs: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
-    mode: Literal["packed", "padded", "iterative"] = "packed"
+    micro_batches_per_step: int | None = Field(None, ge=1, description="gradient accumulation: micro-batches a step")
+    target_tokens_per_step: int | None = Field(
+        None, ge=1, description="or gradient accumulation sized by trained tokens per step"
+    )
+    epochs: int = Field(1, ge=1, description="passes over the training data")
+    seed: int = Field(0, ge=0, description="seed of each epoch's shuffle (and a mixture's draw)")
+    mode: Literal["packed", "padded", "iterative"] = Field(
+        "packed",
+        description="packed: documents share rows (varlen attention); padded: for models without varlen attention; "
+        "iterative: one document a row",
+    )
     shuffle: bool = Field(True, description="visit documents in a seeded random order (false: index order)")
-    drop_last: bool = False
-    max_steps: int | None = Field(None, ge=1, description="plan at most this many optimizer steps")
-    cost_per_token: float = Field(1.0, ge=0)
-    cost_per_token_pair: float | None = Field(None, ge=0)
+    drop_last: bool = Field(False, description="drop the last partial step instead of spreading it over the ranks")
+    max_steps: int | None = Field(
+        None, ge=1, description="plan at most this many optimizer steps (a run config: train.max_steps)"
+    )
+    cost_per_token: float = Field(1.0, ge=0, description="a in the a·L + b·L² cost of a document of L tokens")
+    cost_per_token_pair: float | None = Field(None, ge=0, description="b in that cost (default: 1/tokens_per_rank)")
     cost_table: tuple[tuple[int, float], ...] = Field(
         (),
         description="measured step time per token by document length (a file from benchmarks/cost_table.py, or "
         "[[length, time], ...]): the planner balances ranks by it instead of the a·L + b·L² estimate",
     )
     mixture: tuple[SourceShare, ...] = Field(
-        (), description="each source's share (filled in from data.sources' weight, max_tokens and epochs)"
+        (), description="each source's share (a run config: data.sources' weight, max_tokens or epochs)"
     )
     too_long: Literal["drop", "error"] = Field(
         "drop",

@@ -29,7 +29,7 @@ class MLflowTarget(BaseModel):
         description="tracking server URI (http://host:5000) or a local store (file:, sqlite:); credentials go in "
         "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (a URI's user:password@ is moved there)"
     )
-    experiment: str = "sftflow"
+    experiment: str = Field("sftflow", description="MLflow experiment name")
     log_model: bool = Field(False, description="also upload the exported Hugging Face folder as the run's model")
     registered_model: str | None = Field(
         None,
@@ -58,8 +58,8 @@ class MLflowTarget(BaseModel):
 
 class WandbTarget(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    project: str = "sftflow"
-    entity: str | None = None
+    project: str = Field("sftflow", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user)")
     mode: Literal["online", "offline"] = Field("online", description="offline: write locally, `wandb sync` later")
 
 
@@ -67,9 +67,9 @@ class TrackConfig(BaseModel):
     """`track: {mlflow: {uri, experiment}, tensorboard: true, wandb: {project, mode}}`; none set means no tracking."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    mlflow: MLflowTarget | None = None
+    mlflow: MLflowTarget | None = Field(None, description="log to an MLflow server")
     tensorboard: bool = Field(False, description="event files under WORK_DIR/tensorboard/<run>")
-    wandb: WandbTarget | None = None
+    wandb: WandbTarget | None = Field(None, description="log to Weights & Biases")
     live: bool = Field(True, description="send step metrics while training runs, not only when the run ends")
     live_every_s: float = Field(15.0, gt=0, description="seconds between two live sends of the new steps")
 

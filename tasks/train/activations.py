@@ -23,9 +23,12 @@ FSDP2's hooks on the layer) because the checkpoint wraps the whole call. Modes:
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,25 +36,21 @@ from torch import nn
 log = logging.getLogger("sftflow.train")
 
 
+@functools.cache
+def calibration() -> dict:
+    """The activation estimate's measured constants, kept as data in `calibration.json` beside this module: each
+    entry says why it exists, which benchmark measures it, and where its measurements are
+    (`benchmarks/results/activation_memory.jsonl`). Rerun that benchmark and refit them when the compiler, the
+    kernels or a family's layer change what a layer keeps."""
+    return json.loads(Path(__file__).with_name("calibration.json").read_text(encoding="utf-8"))
+
+
 # Bytes one token keeps for the backward in one decoder layer, as a fraction of `2 * (10 * hidden + 4 * intermediate)`
-# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), by family (`model_type`). Measured with the
-# worker's step (compiled layers, Triton attention, one-GPU path) from the peaks at different counts of checkpointed
-# layers (`benchmarks/train_throughput.py --modes D4b1,D8b1,...`, H100): 0.712 for the Llama-3.2-1B shape. The other
-# families keep more or less than their count says (multi-head K/V, q/k norms, four norms a layer): their compiled
-# layer, in shapes of the real models' proportions, keeps 1.03-1.22x a Llama layer's fraction on CPU (Qwen2 0.72,
-# SmolLM3 0.74, Qwen3 0.80, Gemma 3 0.79, Phi-3-mini 0.85 against Llama's 0.69; Phi-4-mini, also `phi3`, 0.80); each is
-# that times the GPU's 1.026 over CPU for Llama, rounded up. A family not measured takes the largest.
-SAVED_FRACTION = {
-    "llama": 0.72,
-    "mistral": 0.72,
-    "qwen2": 0.74,
-    "smollm3": 0.76,
-    "qwen3": 0.82,
-    "gemma3": 0.82,
-    "gemma3_text": 0.82,
-    "phi3": 0.88,
-}
-SAVED_FRACTION_DEFAULT = 0.88
+# (bf16 copies of ~10 hidden-sized tensors and ~4 intermediate-sized ones), by family (`model_type`): the count is a
+# Llama layer's, and a compiled layer keeps more or less than it says, by family, so the fractions are measured
+# (`calibration.json`). A family not measured takes the largest, so `auto` never leaves whole a layer that does not fit.
+SAVED_FRACTION = dict(calibration()["activation_saved_fraction"]["by_model_type"])
+SAVED_FRACTION_DEFAULT = calibration()["activation_saved_fraction"]["default"]
 # `activation_memory_budget` that `auto` sets where rows do not fit as they are. Below 1, torch's partitioner first
 # tries its "more aggressive" min-cut, which may recompute any elementwise op (no matmul, no attention: those are not
 # on its list), and takes it if that keeps less than the budget's share; only a lower budget goes on to recompute
@@ -59,21 +58,11 @@ SAVED_FRACTION_DEFAULT = 0.88
 # product are no longer kept (measured on CPU with the layers' GPU graph, benchmarks/RESULTS.md), with the same
 # gradients. (At 0.7, Gemma 3's layer already recomputes its attention.)
 ELEMENTWISE_BUDGET = 0.99
-# The share of a layer's bytes the elementwise recompute keeps: Llama 0.677 measured on an H100, ~0.70 for Qwen2.5; on
-# CPU with the layers' GPU graph, in the real models' proportions, Llama and Mistral 0.67, Qwen2 0.67, SmolLM3 0.68,
-# Qwen3 0.72, Phi-3-mini 0.73, Phi-4-mini 0.66, Gemma 3 0.71 (0.82 in a small test shape), rounded up; a family not
-# measured takes the largest but Gemma's.
-ELEMENTWISE_KEPT = {
-    "llama": 0.68,
-    "mistral": 0.68,
-    "qwen2": 0.70,
-    "smollm3": 0.70,
-    "qwen3": 0.73,
-    "phi3": 0.75,
-    "gemma3": 0.82,
-    "gemma3_text": 0.82,
-}
-ELEMENTWISE_KEPT_DEFAULT = 0.75
+# The share of a layer's bytes the elementwise recompute keeps, by family: what the partitioner still keeps at
+# `ELEMENTWISE_BUDGET` depends on which elementwise outputs a family's layer has, so it is measured
+# (`calibration.json`); a family not measured takes the largest but Gemma's.
+ELEMENTWISE_KEPT = dict(calibration()["elementwise_kept"]["by_model_type"])
+ELEMENTWISE_KEPT_DEFAULT = calibration()["elementwise_kept"]["default"]
 # Allocator fragmentation, the loss's logits chunks, compile workspaces: on top of the estimate.
 OVERHEAD_BYTES = 2 * 2**30
 # The estimate may use this much of the memory the device has free when the model is built.
@@ -136,10 +125,10 @@ def activation_bytes_per_token(config, mode: str | int, offload: bool = False, b
     prefetched = input_bytes_per_token(config) if offload and checkpointed else 0
     # A layer's backward needs more than the layer kept, whatever the budget: the gradients of its intermediates, and
     # a checkpointed layer's recomputed activations; below budget 1 also the elementwise outputs its forward dropped.
-    # Measured on an H100 (the 1B at 32k and 64k-token rows): 50-70 kB a token beside what the layers keep with some
-    # layers not checkpointed; with every layer checkpointed, the recomputed layer's own bytes and 17-65 kB more. One
-    # layer's bytes at budget 1 (77 kB) stand for it; the state's gradients, mostly not yet made at that peak, cover
-    # the rest.
+    # The peaks measured with some layers left whole hold up to about one layer's bytes more than the layers keep; with
+    # every layer checkpointed the recomputed layer's own bytes and a little more (the activation estimate's
+    # calibration in benchmarks/RESULTS.md). One layer's bytes at budget 1 stand for it; the state's gradients, mostly
+    # not yet made at that peak, cover the rest.
     in_backward = layer_bytes_per_token(config)
     return checkpointed * kept_input + (layers - checkpointed) * one + in_backward + prefetched
 
@@ -230,7 +219,8 @@ def resolve_activation_offload(
     (checkpointing `auto` with every layer recomputed, or the mode set), and the host has the memory for what this
     host's ranks move (`host_bytes`: what it has available, less what else the run will pin; None: not known,
     assumed enough). Where rows fit without it, it stays off even when it would let a layer or two fewer be
-    recomputed: its cost was measured only with every layer checkpointed (the 1B at 64k-token rows, H100: 1.00x)."""
+    recomputed: its cost was measured only with every layer checkpointed, where it cost nothing measurable
+    (benchmarks/results/training.jsonl)."""
     if device.type != "cuda" or setting is False or mode == "off":
         return False
     if setting is True:
@@ -286,8 +276,8 @@ def resolve_memory_budget(
 def settle_memory_budget(setting: str | float, budget: float, checkpointing: str | int, num_layers: int) -> float:
     """`auto`'s budget once the checkpointing is known: 1 where every layer is checkpointed. There no layer keeps its
     activations to the backward, so dropping elementwise outputs saves nothing, and recomputing them in the backward of
-    the layer being recomputed holds them beside its other tensors at the peak (a 1B at 64k-token rows, `full`: 25.5
-    GiB at 0.99 against 24.0 at 1, the same speed, on an H100). A budget that was set is kept."""
+    the layer being recomputed holds them beside its other tensors at the peak, for the same speed (measured with
+    `full` at both budgets: benchmarks/results/training.jsonl). A budget that was set is kept."""
     if setting == "auto" and checkpointed_layers(checkpointing, num_layers) == num_layers:
         return 1.0
     return budget

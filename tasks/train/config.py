@@ -27,9 +27,9 @@ class LoraSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rank: int = Field(16, ge=1)
-    alpha: float | None = Field(None, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, ge=1, description="adapter rank")
+    alpha: float | None = Field(None, gt=0, description="adapter scale numerator (default: twice the rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     targets: str | tuple[str, ...] = Field("all-linear", description="'all-linear' or module names (q_proj, ...)")
     merge: bool = Field(True, description="also export the merged full model in hf/")
 
@@ -54,11 +54,13 @@ class OptimConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lr: float = Field(2e-5, gt=0, description="peak learning rate")
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
+    lr: float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.95), description="AdamW beta1 and beta2"
+    )
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm (null: no clipping)")
     max_nonfinite_steps: int = Field(3, ge=0, description="fail after this many consecutive skipped NaN/inf steps")
     in_backward: bool = Field(
         False,
@@ -84,9 +86,9 @@ class ScheduleOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    kind: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after the warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a share of the peak lr")
     steps: int | None = Field(None, ge=1, description="steps the schedule spans (default: the plan's steps)")
 
 
@@ -129,15 +131,17 @@ class CheckpointOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     every: int = Field(0, ge=0, description="save every K steps (0: only at the end)")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
     save: bool = Field(
         True,
         description="false: no DCP checkpoint at all, not even at the end (the run cannot resume; the export is "
         "still written): throughput runs of models whose optimizer state outgrows the disk",
     )
-    resume: bool = Field(False, description="continue from the run's latest checkpoint")
+    resume: bool = Field(False, description="continue from the run folder's latest checkpoint")
     init_from: str | None = Field(None, description="checkpoint folder (step-N) or run dir to initialise from")
-    load_components: tuple[str, ...] = Field(("model",), description="model[,optimizer,lr_scheduler,progress]")
+    load_components: tuple[str, ...] = Field(
+        ("model",), description="what init_from loads (model, optimizer, lr_scheduler, progress)"
+    )
     trust: bool = Field(
         False,
         description="load a checkpoint that has no CHECKSUMS (an older sftflow's, or one made by hand): it cannot be "
@@ -169,8 +173,8 @@ class MetricsOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    log_every: int = Field(1, ge=1)
-    ema_alpha: float = Field(0.9, ge=0, lt=1)
+    log_every: int = Field(1, ge=1, description="log (and write to metrics.jsonl) every this many steps")
+    ema_alpha: float = Field(0.9, ge=0, lt=1, description="smoothing of the step-time EMA behind the ETA")
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
 
 
@@ -211,12 +215,12 @@ class TrainOptions(BaseModel):
 
     # launch
     nproc: int = Field(1, ge=1, description="worker processes per node (GPUs per node)")
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
+    nnodes: int = Field(1, ge=1, description="torchrun nodes")
+    node_rank: int = Field(0, ge=0, description="this node's rank among the nodes")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (multi-node)")
     rdzv_id: str | None = Field(None, description="rendezvous id shared by all nodes of one run (multi-node)")
     timeout_s: float | None = Field(None, gt=0, description="kill the training process group after this long")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when there is a GPU")
     num_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / nproc)")
     parallel: Literal["auto", "fsdp", "single"] = Field(
         "auto",
@@ -227,20 +231,20 @@ class TrainOptions(BaseModel):
     max_steps: int | None = Field(
         None, ge=0, description="stop after this many optimizer steps (default: the plan's); the schedule is unchanged"
     )
-    seed: int = 0
-    optimizer: OptimConfig = OptimConfig()
-    schedule: ScheduleOptions = ScheduleOptions()
-    memory: MemoryOptions = MemoryOptions()
-    checkpoint: CheckpointOptions = CheckpointOptions()
-    metrics: MetricsOptions = MetricsOptions()
+    seed: int = Field(0, description="torch seed of the workers (random initialisation, dropout)")
+    optimizer: OptimConfig = Field(OptimConfig(), description="AdamW and how its step runs")
+    schedule: ScheduleOptions = Field(ScheduleOptions(), description="the learning rate over the steps")
+    memory: MemoryOptions = Field(MemoryOptions(), description="precision, compilation, recomputation, offload")
+    checkpoint: CheckpointOptions = Field(CheckpointOptions(), description="saving, resuming, initialising")
+    metrics: MetricsOptions = Field(MetricsOptions(), description="metrics.jsonl and the console")
 
     # parameter-efficient fine-tuning
     lora: LoraSettings | None = Field(None, description="train LoRA adapters on a frozen base (peft)")
     quantize: Literal["none", "nf4"] = Field("none", description="nf4: QLoRA, the frozen base in 4 bits")
 
     # export and debugging
-    export: bool = True
-    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    export: bool = Field(True, description="write the Hugging Face folder hf/ at the end")
+    export_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="dtype of the exported weights")
     save_grads_at_steps: tuple[int, ...] = Field((), description="debug: write full gradients of these steps")
 
     @field_validator("schedule", mode="before")

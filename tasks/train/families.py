@@ -1,9 +1,9 @@
 """The model families sftflow trains on packed rows exactly as Hugging Face computes them, and how they differ.
 
 A family is listed here only when a test shows that its packed loss and gradients equal the sum of Hugging Face's own
-`eager` forward over each document alone (`tests/tasks/train/test_families.py`). Everything the worker reads about a family
-comes from this table and the model's config; a model outside the table, or with a config feature the worker does not
-reproduce, is refused before launch with a message naming the model, the feature and the way out.
+`eager` forward over each document alone (`tests/tasks/train/test_families.py`). Everything the worker reads about a
+family comes from this table and the model's config; a model outside the table, or with a config feature the worker
+does not reproduce, is refused before launch with a message naming the model, the feature and the way out.
 
 What differs between the listed families, and where it is handled:
 

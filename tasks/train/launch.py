@@ -262,9 +262,9 @@ def _worker_env(config: TrainConfig) -> dict:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     elif not any(name in env for name in ALLOC_CONF_VARS):
         # Packed rows differ in length and documents in count, so the caching allocator's fixed-size segments strand
-        # memory between steps; segments that grow in place do not. On an H100 (1B, 64k-token rows) the default
-        # allocator reserved 77.5 GiB for a 57.2 GiB peak, expandable segments 57.8, at the same tokens/s
-        # (benchmarks/RESULTS.md). A setting the user made, under either of torch's names, is kept.
+        # memory between steps (reserved memory far above the peak, a larger row from running out);
+        # segments that grow in place do not, at the same speed (benchmarks/results/training.jsonl, the caching
+        # allocator rows). A setting the user made, under either of torch's names, is kept.
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
 

@@ -653,3 +653,27 @@ def test_every_family_recomputes_only_elementwise_ops_at_the_budget_auto_sets(fa
         k: v for k, v in less_ops.items() if "mm" in k or "attention" in k
     }
     assert all(torch.equal(full_grads[k], less_grads[k]) for k in full_grads)
+
+
+def test_the_measured_fractions_are_read_from_calibration_json_with_where_they_come_from():
+    """The estimate's measured constants live in `calibration.json` beside the module, each with why it exists and
+    which benchmark measures it, and the module's tables are that file's."""
+    import json
+    from pathlib import Path
+
+    from sftflow.tasks.train import activations
+
+    data = json.loads((Path(activations.__file__).parent / "calibration.json").read_text())
+    assert activations.calibration() == data
+    for name, table, default in [
+        ("activation_saved_fraction", activations.SAVED_FRACTION, activations.SAVED_FRACTION_DEFAULT),
+        ("elementwise_kept", activations.ELEMENTWISE_KEPT, activations.ELEMENTWISE_KEPT_DEFAULT),
+    ]:
+        entry = data[name]
+        assert entry["why"] and entry["measured_by"] and entry["measurements"].startswith("benchmarks/results/")
+        assert table == entry["by_model_type"] and default == entry["default"]
+        assert all(0 < v <= 1 for v in table.values())
+    # A family not measured is counted at the largest share (the elementwise one: the largest but Gemma 3's).
+    assert activations.SAVED_FRACTION_DEFAULT == max(activations.SAVED_FRACTION.values())
+    kept = activations.ELEMENTWISE_KEPT
+    assert activations.ELEMENTWISE_KEPT_DEFAULT == max(v for k, v in kept.items() if not k.startswith("gemma"))
