@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_throughput import PAD_ID, init_single_process, llama_config, sync, versions  # noqa: E402
+from harness import sync, versions  # noqa: E402
+from train_throughput import PAD_ID, init_single_process, llama_config  # noqa: E402
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 

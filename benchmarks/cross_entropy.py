@@ -17,6 +17,7 @@ import argparse
 import datetime
 import platform
 
+import harness
 import torch
 import torch.nn.functional as F
 import triton
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--masks", type=float, nargs="+", default=[0.0, 0.5, 0.9])
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--kernel-sweep", action="store_true", help="time the CE kernel's block shapes on a chunk")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     T, D, V = args.T, args.D, args.V
     if args.kernel_sweep:
@@ -133,6 +135,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n\n")
+    if args.jsonl:
+        env, figures = harness.environment(), []
+        for mask, _, name, ms, _, peak, _, _, _ in rows:
+            benchmark = f"cross_entropy/T{T}-D{D}-V{V}-masked{mask:.1f}"
+            figures.append(harness.result_row(benchmark, name, "fwd_bwd_time", ms, "ms", env))
+            figures.append(harness.result_row(benchmark, name, "peak_extra_memory", peak, "GiB", env))
+        harness.write_rows(args.jsonl, figures)
 
 
 def kernel_sweep(V: int, rows: int = 512) -> None:
