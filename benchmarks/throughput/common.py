@@ -9,7 +9,6 @@ import os
 import re
 import socket
 import statistics
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,7 +31,6 @@ PRESET_SHAPES = {
 }
 PRESETS = {preset: SHAPES[name] for preset, name in PRESET_SHAPES.items()}
 PAD_ID = 0
-CRASH_SHIM = Path(__file__).resolve().parents[2] / "tests" / "crash_shim"
 MODES = ("A", "B", "C", "Cl", "Cn", "Cnac", "Cac", "Clac", "D", "De", "Df", "Dsel", "Dac", "L", "Lp", "Q")
 MULTI_GPU_MODES = {"B", "C", "Cac", "Clac"}  # the FSDP baselines, under torchrun --nproc-per-node N
 COUNTED_MODE = re.compile(r"D(\d+)(?:b(\d*\.?\d+))?")  # D<N>[b<budget>]: N checkpointed layers, that budget
