@@ -26,15 +26,6 @@ from triton.testing import do_bench
 from sftflow.kernels.cross_entropy import linear_cross_entropy
 
 
-def matmul_tflops(n: int = 8192) -> float:
-    a, b = (
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-    )
-    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    return 2 * n**3 / ms / 1e9
-
-
 def variants():
     out = {
         "ours_triton": lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton"),
@@ -71,7 +62,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     weight = (torch.randn(V, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
-    rate = matmul_tflops()
+    rate = harness.do_bench_matmul_tflops()
     fns = variants()
     rows = []
     for mask in args.masks:

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Iterable
@@ -108,6 +109,33 @@ def time_calls(fn, repeats: int, warmup: int = 0, device="cpu") -> list[float]:
         fn()
         times.append(timer.stop())
     return times
+
+
+def matmul_tflops(device="cuda", n: int = 8192) -> float | None:
+    """The device's bf16 matmul rate (TFLOP/s) on `n` x `n` operands: the median of 20 products timed with CUDA
+    events after 3 untimed; None on a CPU. What an MFU is measured against."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = time_calls(lambda: a @ b, repeats=20, warmup=3, device=device)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def do_bench_matmul_tflops(n: int = 8192) -> float:
+    """The GPU's bf16 matmul rate (TFLOP/s) on `n` x `n` operands as the kernel benchmarks time their kernels:
+    Triton's `do_bench` median."""
+    import torch
+    from triton.testing import do_bench
+
+    a, b = (
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+    )
+    return 2 * n**3 / do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median") / 1e9
 
 
 # ---------------------------------------------------------------------------------------------------------------------

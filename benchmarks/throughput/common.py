@@ -8,7 +8,6 @@ import math
 import os
 import re
 import socket
-import statistics
 
 import numpy as np
 import torch
@@ -97,25 +96,6 @@ def make_data(args, vocab_size: int, rows_needed: int, num_ranks: int = 1):
     if arrays.num_steps < rows_needed:
         raise ValueError(f"plan has {arrays.num_steps} steps; the benchmark needs {rows_needed}")
     return dataset, arrays, stats
-
-
-def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
-    if device.type != "cuda":
-        return None
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def peak_gib(device: torch.device) -> float | None:

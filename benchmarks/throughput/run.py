@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from harness import add_common_args, versions, write_rows
+from harness import add_common_args, matmul_tflops, versions, write_rows
 
 from throughput.common import (
     COUNTED_MODE,
@@ -29,7 +29,6 @@ from throughput.common import (
     init_single_process,
     llama_config,
     make_data,
-    matmul_tflops,
 )
 from throughput.gpu_check import gpu_check
 from throughput.peer_modes import PeerModes

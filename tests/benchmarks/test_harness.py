@@ -63,3 +63,7 @@ def test_a_changed_checkout_is_marked_dirty(tmp_path, dirty):
         (tmp_path / "f").write_text("2")
     commit = harness.git_commit(tmp_path)
     assert len(commit.split("+")[0]) == 40 and commit.endswith("+dirty") == dirty
+
+
+def test_the_matmul_rate_is_a_gpu_s_only():
+    assert harness.matmul_tflops("cpu") is None
