@@ -153,3 +153,22 @@ def test_resolved_run_round_trips_through_json_and_prints_a_table():
     assert "activation checkpointing: " in table and "template: chatml" in table
     assert set(run.choices()) >= {"parallel", "activation_checkpointing", "dtype", "compile"}
     assert "attention" not in run.choices()
+
+
+def test_the_train_stage_key_holds_the_choices_not_the_measurements():
+    """The train stage's cache key holds the resolved values: a GPU with a little less free memory that chooses the
+    same keeps the key (the run stays Cached); one with so much less that it checkpoints more layers changes it."""
+    import dataclasses
+
+    from sftflow.tasks.core.caching import stage_key
+
+    config = train_config()
+    lm = meta_model(config, vocab_size=128256)
+
+    def key(hw, tokens):
+        resolved = resolve(config, hw, tokens_per_rank=tokens, micro_batches=1, vocab_size=128256, lm=lm)
+        return stage_key("train", "1", (), {"options": config, "resolved": resolved})
+
+    busier = dataclasses.replace(H100, memory=78 * GIB)
+    assert key(H100, 4096) == key(busier, 4096)
+    assert key(H100, 131072) != key(dataclasses.replace(H100, memory=50 * GIB), 131072)
