@@ -172,3 +172,17 @@ def test_the_train_stage_key_holds_the_choices_not_the_measurements():
     busier = dataclasses.replace(H100, memory=78 * GIB)
     assert key(H100, 4096) == key(busier, 4096)
     assert key(H100, 131072) != key(dataclasses.replace(H100, memory=50 * GIB), 131072)
+
+
+def test_rows_are_planned_without_the_choices_the_launch_may_still_make():
+    """`plan.tokens_per_rank: auto` sizes rows before the launch resolves: for `auto` settings, no checkpointing, a
+    budget of 1 and no offload; settings that were made, as they are."""
+    from sftflow.tasks.train.capacity import planned_memory
+    from sftflow.tasks.train.config import TrainOptions
+
+    assert planned_memory(TrainOptions(), 1) == ("single", "off", 1.0, False)
+    assert planned_memory(TrainOptions(), 2) == ("fsdp", "off", 1.0, False)
+    full = TrainOptions(activation_checkpointing="full", activation_offload=True, activation_memory_budget=0.5)
+    assert planned_memory(full, 1) == ("single", "full", 0.5, True)
+    eager = TrainOptions(activation_checkpointing=4, activation_memory_budget=0.5, compile="off")
+    assert planned_memory(eager, 1) == ("single", 4, 1.0, False)
