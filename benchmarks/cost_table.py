@@ -70,10 +70,11 @@ def measure(args) -> dict:
     from sftflow.tasks.train import config as cfg
     from sftflow.tasks.train.activations import apply_activation_checkpointing
     from sftflow.tasks.train.compile import compile_layers, resolve_compile
+    from sftflow.tasks.train.config import parallel_path
     from sftflow.tasks.train.data import RankBatches
     from sftflow.tasks.train.fsdp import compute_dtype
     from sftflow.tasks.train.model import build_model, decoder_layers
-    from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, stage_inputs, train_step
+    from sftflow.tasks.train.worker import Prefetch, parallelize, stage_inputs, train_step
 
     env = init_single_process(args.device)
     dtype = compute_dtype(env, "auto")
@@ -88,7 +89,7 @@ def measure(args) -> dict:
         compile_layers(decoder_layers(lm), device=env.device, dtype=dtype)
     apply_activation_checkpointing(decoder_layers(lm), args.activation_checkpointing)
     optim_c = cfg.optim_config(cfg.TrainConfig(data="unused", plan="unused", model="unused", out="unused"))
-    model, optimizer, _ = parallelize(lm, env, resolve_parallel("auto", env), dtype, optim_c)
+    model, optimizer, _ = parallelize(lm, env, parallel_path("auto", env.world_size, env.device.type), dtype, optim_c)
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
 
     points, rows = [], []

@@ -85,7 +85,10 @@ def gpu_check(
     def attempt(cfg, fault: str | None) -> tuple[int, float, str]:
         # The launcher's input manifests need sftflow.tasks.train.launch, which imports prefect (absent on the GPU
         # machine); the worker does not read them.
-        write_run_json(cfg, {"note": "benchmarks/train_throughput.py gpu check"}, run_dir / "run.json")
+        from sftflow.tasks.train.resolved import resolve_run
+
+        resolved = resolve_run(cfg).to_json()
+        write_run_json(cfg, {"note": "benchmarks/train_throughput.py gpu check"}, run_dir / "run.json", resolved)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "sftflow.tasks.train.worker", str(run_dir)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -44,10 +44,11 @@ class SftflowModes(BenchCore):
         )
         from sftflow.tasks.train.capacity import model_state_bytes
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
+        from sftflow.tasks.train.config import parallel_path
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
         from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
-        from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, stage_inputs, train_step
+        from sftflow.tasks.train.worker import Prefetch, parallelize, stage_inputs, train_step
 
         args, env, plan = self.args, self.env, self.plan
         compiled = resolve_compile(compile_mode, env.device)
@@ -62,7 +63,7 @@ class SftflowModes(BenchCore):
         original_rope = modeling_llama.apply_rotary_pos_emb  # restored below, so C never runs with our RoPE fix
         # The compiled layers' `activation_memory_budget` as the worker resolves it, against the memory free before
         # the model was built (it is on the device already); the loop resets torch's 1 before every mode.
-        parallel = resolve_parallel(parallel, env)
+        parallel = parallel_path(parallel, env.world_size, env.device.type)
         state = model_state_bytes(lm, "nf4" if quantize else "none", parallel, env.world_size, accumulating=False)
         held = sum(t.nbytes for t in lm.parameters()) if env.device.type == "cuda" else 0
         free = torch.cuda.mem_get_info(env.device)[0] + held if env.device.type == "cuda" else None
