@@ -23,6 +23,7 @@ import argparse
 import datetime
 import platform
 
+import harness
 import torch
 import triton
 from triton.testing import do_bench
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--kv", type=int, default=512)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--out", default=None)
+    harness.add_common_args(p)  # --jsonl
     args = p.parse_args()
     dev = torch.device("cuda")
     sizes = shapes(args.layers, args.hidden, args.intermediate, args.kv, args.vocab)
@@ -93,6 +95,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.jsonl:
+        env, benchmark = harness.environment(), f"adamw/{n / 1e9:.3f}B"
+        rows = [harness.result_row(benchmark, k, "step_time", ms, "ms", env) for k, ms in results.items()]
+        harness.write_rows(args.jsonl, rows)
 
 
 if __name__ == "__main__":

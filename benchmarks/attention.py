@@ -33,6 +33,7 @@ from unittest import mock
 import numpy as np
 import torch
 import triton
+from harness import do_bench_matmul_tflops as matmul_tflops  # sliding_window.py imports it from here
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
@@ -65,14 +66,6 @@ def doc_lengths(total: int, seed: int = 0, docs: str = "packed") -> list[int]:
         last = lengths.pop()
         lengths[-1] += last
     return lengths
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a, b = (
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-    )
-    return 2 * n**3 / do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median") / 1e9
 
 
 def flex_fn(lengths, T, H, K):

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_throughput import PAD_ID, init_single_process, llama_config, sync, versions  # noqa: E402
+from harness import add_common_args, environment, result_row, sync, versions, write_rows  # noqa: E402
+from train_throughput import PAD_ID, init_single_process, llama_config  # noqa: E402
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -69,10 +70,11 @@ def measure(args) -> dict:
     from sftflow.tasks.train import config as cfg
     from sftflow.tasks.train.activations import apply_activation_checkpointing
     from sftflow.tasks.train.compile import compile_layers, resolve_compile
+    from sftflow.tasks.train.config import parallel_path
     from sftflow.tasks.train.data import RankBatches
     from sftflow.tasks.train.fsdp import compute_dtype
     from sftflow.tasks.train.model import build_model, decoder_layers
-    from sftflow.tasks.train.worker import Prefetch, parallelize, resolve_parallel, stage_inputs, train_step
+    from sftflow.tasks.train.worker import Prefetch, parallelize, stage_inputs, train_step
 
     env = init_single_process(args.device)
     dtype = compute_dtype(env, "auto")
@@ -87,7 +89,7 @@ def measure(args) -> dict:
         compile_layers(decoder_layers(lm), device=env.device, dtype=dtype)
     apply_activation_checkpointing(decoder_layers(lm), args.activation_checkpointing)
     optim_c = cfg.optim_config(cfg.TrainConfig(data="unused", plan="unused", model="unused", out="unused"))
-    model, optimizer, _ = parallelize(lm, env, resolve_parallel("auto", env), dtype, optim_c)
+    model, optimizer, _ = parallelize(lm, env, parallel_path("auto", env.world_size, env.device.type), dtype, optim_c)
     stage = partial(stage_inputs, device=env.device, vocab_size=getattr(model, "vocab_size", None))
 
     points, rows = [], []
@@ -269,6 +271,7 @@ def parse_args(argv=None):
     p.add_argument("--sim-steps", type=int, default=20, help="timed steps of each simulated plan")
     p.add_argument("--sim-median", type=int, default=2000, help="median document length of the simulated data")
     p.add_argument("--out", type=Path, default=None)
+    add_common_args(p)  # --jsonl
     args = p.parse_args(argv)
     args.row_tokens = args.row_tokens or max(args.lengths)
     if args.row_tokens < max(args.lengths):
@@ -287,6 +290,14 @@ def main(argv=None) -> dict:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cost_table.json").write_text(json.dumps(report, indent=2))
         (args.out / "cost_table.md").write_text(text)
+    if args.jsonl:
+        env, benchmark = environment(), f"cost_table/{args.preset}/{args.row_tokens}"
+        metric = "step_time_per_token_median"
+        rows = [
+            result_row(benchmark, f"length{r['length']}", metric, r["us_per_token_median"], "us", env)
+            for r in report["rows"]
+        ]
+        write_rows(args.jsonl, rows)
     return report
 
 

@@ -17,21 +17,13 @@ import argparse
 import datetime
 import platform
 
+import harness
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
 from sftflow.kernels.cross_entropy import linear_cross_entropy
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a, b = (
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
-    )
-    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    return 2 * n**3 / ms / 1e9
 
 
 def variants():
@@ -62,6 +54,7 @@ def main() -> None:
     parser.add_argument("--masks", type=float, nargs="+", default=[0.0, 0.5, 0.9])
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--kernel-sweep", action="store_true", help="time the CE kernel's block shapes on a chunk")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     T, D, V = args.T, args.D, args.V
     if args.kernel_sweep:
@@ -69,7 +62,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     weight = (torch.randn(V, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
-    rate = matmul_tflops()
+    rate = harness.do_bench_matmul_tflops()
     fns = variants()
     rows = []
     for mask in args.masks:
@@ -133,6 +126,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n\n")
+    if args.jsonl:
+        env, figures = harness.environment(), []
+        for mask, _, name, ms, _, peak, _, _, _ in rows:
+            benchmark = f"cross_entropy/T{T}-D{D}-V{V}-masked{mask:.1f}"
+            figures.append(harness.result_row(benchmark, name, "fwd_bwd_time", ms, "ms", env))
+            figures.append(harness.result_row(benchmark, name, "peak_extra_memory", peak, "GiB", env))
+        harness.write_rows(args.jsonl, figures)
 
 
 def kernel_sweep(V: int, rows: int = 512) -> None:

@@ -7,7 +7,8 @@
 #
 # STEPs (default: all, in this order): tests_fa4 train_16k train_32k_long attention_packed attention_long
 # tests_families train_32k_long_triton tests_gpu_other; also train_64k_long (64k rows against the peer with
-# checkpointing) and train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100).
+# checkpointing), train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100) and
+# tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
@@ -66,6 +67,7 @@ for s in $STEPS; do
       -k "flash_attn_4 and (qwen2_5 or qwen3_moe or smollm3)" ;;
     tests_gpu_other) step "$s" 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tasks/train/test_activations.py \
       tests/tasks/train/test_single_device.py ;;
+    tests_gpu) step "$s" 590 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu ;;
     *) echo "unknown step $s" | tee -a "$LOG/progress.txt" ;;
   esac
 done

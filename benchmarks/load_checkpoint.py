@@ -27,30 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {
-    # meta-llama/Llama-3.2-1B's structure: 1.24B parameters, tied head.
-    "llama3-1b": dict(
-        model_type="llama",
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "small": dict(
-        model_type="llama",
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    ),
-}
+from sftflow.tasks.shapes import SHAPES as MODEL_SHAPES
+
+# The shapes of `sftflow.tasks.shapes` by their command-line names, without the extras that change no load (RoPE base,
+# norm epsilon, positions): llama3-1b is meta-llama/Llama-3.2-1B's structure (1.24B parameters, tied head).
+SHAPES = {"llama3-1b": MODEL_SHAPES["llama3.2-1b"].structure(), "small": MODEL_SHAPES["llama-512x4"].structure()}
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 

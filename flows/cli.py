@@ -306,58 +306,18 @@ def plan(
 ) -> None:
     """Plan every step × micro-batch × rank up front (the `sft-plan` flow, or plain planning with --lengths)."""
     _quiet_defaults()
-    import numpy as np
-
-    from sftflow.flows.config import plan_config
-    from sftflow.tasks.plan.plan_files import plan_from_index, plan_into
+    from sftflow.flows.steps import plan_folder
 
     cfg = _run_config(plan, locals())
-    if data is not None and lengths is not None:
-        raise ValueError("give one of --data DIR or --lengths FILE.npy, not both")
-    out = out or Path(cfg.work_dir) / "plan"
-    if lengths is not None:
-        doc_lengths = np.load(lengths, allow_pickle=False)
-        if doc_lengths.ndim != 1:
-            raise ValueError(f"{lengths}: expected a 1-D array of lengths, got shape {doc_lengths.shape}")
-        # Without loss spans, every token but each document's first is a trained target.
-        targets = np.maximum(doc_lengths - 1, 0)
-        _, plan_stats = plan_into(out, doc_lengths, targets, plan_config(cfg), lambda doc: f"{lengths}: doc {doc}")
-    elif data is not None and _bare_index(data):
-        # A dataset index without a `sftflow data` output around it: plain planning (no cache, no Prefect), as
-        # `train` takes such an index too.
-        _, plan_stats = plan_from_index(data, plan_config(cfg, _index_vocab_size(data)), out)
-    else:
-        import shutil
-
-        from sftflow.flows.plan import sft_plan
-
-        data_result = _data_result(data or Path(cfg.work_dir) / "data")
-        with _flow_session(out):
-            manifest = sft_plan(
-                config=cfg.model_copy(update={"work_dir": str(out.resolve())}), data=data_result, force=force
-            )
-        plan_stats = manifest.stats
-        shutil.copyfile(manifest.path, out / "plan.npz")
-    with np.load(out / "plan.npz") as arrays:
-        row_tokens = int(arrays["tokens_per_rank"])  # the number `auto` became
-    summary = {
-        "tokens_per_rank": row_tokens,
-        "efficiency": plan_stats.efficiency,
-        "token_imbalance": plan_stats.token_imbalance,
-        "cost_imbalance": plan_stats.cost_imbalance,
-        "num_steps": plan_stats.num_steps,
-        "num_rows": plan_stats.num_rows,
-        "planning_seconds": plan_stats.planning_seconds,
-        "dropped_docs": plan_stats.dropped_docs,
-    }
+    planned = plan_folder(cfg, data=data, lengths=lengths, out=out, force=force, session=_flow_session)
     if stats_json:
-        typer.echo(json.dumps(summary))
+        typer.echo(json.dumps(planned.summary()))
     elif stats:
-        typer.echo(plan_stats.model_dump_json(indent=2))
+        typer.echo(planned.stats.model_dump_json(indent=2))
     else:
         typer.echo(
-            f"plan: {plan_stats.num_steps} steps of {row_tokens:,}-token rows, efficiency "
-            f"{plan_stats.efficiency:.2%} → {out}"
+            f"plan: {planned.stats.num_steps} steps of {planned.tokens_per_rank:,}-token rows, efficiency "
+            f"{planned.stats.efficiency:.2%} → {planned.out}"
         )
 
 
@@ -409,65 +369,20 @@ def train(
     folder (no Prefect: `sftflow run` is the cached, retried pipeline). With `track:` in the config, the step
     metrics go to the trackers while it trains."""
     _quiet_defaults()
+    from sftflow.flows.steps import train_folder, train_folder_config
     from sftflow.tasks.core.disk_full import DiskFull
-    from sftflow.tasks.train.config import TrainConfig
-    from sftflow.tasks.train.launch import train as run_train
 
     cfg = _run_config(train, locals())
-    work = Path(cfg.work_dir)
-    index_dir, tokenizer, chat_template = _data_inputs(data or work / "data")
-    config = TrainConfig(
-        **dict(cfg.train),
-        data=index_dir,
-        plan=str(plan or work / "plan"),
-        out=str(out or work / "run"),
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-    )
+    config = train_folder_config(cfg, data=data, plan=plan, out=out)
     _notice(f"run dir: {config.run_dir.resolve()}")
-    live = None
-    if cfg.track.enabled and cfg.train.node_rank == 0:  # one node sends: the others would open runs of their own
-        from sftflow.tasks.track.live import live_tracker
-
-        live = live_tracker(cfg.track, work, finish=True)
     try:
-        result = run_train(config, live=live)
+        result = train_folder(cfg, config)
     except DiskFull as err:
         if not err.rerun or "resumes from" not in err.rerun:
             raise
         # `sftflow run` resumes by itself; this command resumes only when asked.
         raise DiskFull(err.path, err.doing, f"{err.rerun} with --resume") from err
     typer.echo(result.model_dump_json(indent=2))
-
-
-def _data_result(data: Path):
-    """What `sftflow data` wrote in `data`."""
-    from sftflow.flows.data import load_data_result
-
-    if not (data / "data.json").is_file():
-        raise ValueError(f"{data}: no `sftflow data` output here (data.json); run `sftflow data --out {data}` first")
-    return load_data_result(data)
-
-
-def _index_vocab_size(index_dir: Path) -> int | None:
-    return json.loads((index_dir / "index.json").read_text()).get("vocab_size")
-
-
-def _bare_index(data: Path) -> bool:
-    return (data / "index.json").is_file() and not (data / "data.json").is_file()
-
-
-def _data_inputs(data: Path) -> tuple[str, str | None, str | None]:
-    """(index folder, tokenizer, chat template) of `data`: a `sftflow data` output, or a bare dataset index (whose
-    tokenizer and template are not known: the model's are used)."""
-    if _bare_index(data):
-        return str(data), None, None
-    if not (data / "data.json").is_file():
-        raise ValueError(
-            f"{data}: neither a `sftflow data` output (data.json) nor a dataset index (index.json); pass --data DIR"
-        )
-    result = _data_result(data)
-    return result.index_dir, result.tokenizer.path, result.chat_template
 
 
 @command("eval")
@@ -485,20 +400,10 @@ def eval_command(
     """Evaluate a model on the eval split: masked loss, perplexity, token accuracy, greedy exact match. The `eval`
     section sets what is covered (e.g. --set eval.max_docs=64); a preset base is built with train.seed."""
     _quiet_defaults()
-    from sftflow.tasks.core.manifests import ModelRef
-    from sftflow.tasks.eval.report import markdown_summary
-    from sftflow.tasks.eval.stage import evaluate_run
+    from sftflow.flows.steps import eval_folder
 
     cfg = _run_config(eval_command, locals())
-    work = Path(cfg.work_dir)
-    index_dir, tokenizer, _ = _data_inputs(data or work / "data")
-    model = model or str(work / "run" / "hf")
-    out = out or work / "eval"
-    base_ref = ModelRef(spec=base, seed=cfg.train.seed) if base else None
-    metrics = Path(model).parent / "metrics.jsonl"
-    metrics_path = metrics if metrics.is_file() else None
-    result, _ = evaluate_run(ModelRef(spec=model), base_ref, index_dir, tokenizer or model, cfg.eval, out, metrics_path)
-    typer.echo(markdown_summary(result, out / "loss_curve.png" if metrics_path else None))
+    typer.echo(eval_folder(cfg, model=model, data=data, base=base, out=out))
 
 
 def _demo_default() -> dict:

@@ -16,7 +16,7 @@ from sftflow.tasks.core.fingerprint import sha256_tree
 from sftflow.tasks.core.manifests import ModelRef, TrainResult
 from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.track.live import live_tracker
-from sftflow.tasks.train.stage import train_stage_task
+from sftflow.tasks.train.stage import resolve_train, train_stage_task
 
 
 @flow(name="sft-train", log_prints=True)
@@ -42,7 +42,12 @@ def sft_train(
         # Rank 0 writes the metrics, and one node sends them: the others would open runs of their own.
         live = live_tracker(cfg.track, work, end_runs=end_tracking) if cfg.train.node_rank == 0 else None
         try:
-            result = task(data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work), live_track=live)
+            # Every `auto` resolved once, here: its concrete values are part of the run's cache key.
+            resolved = resolve_train(data.index, plan, data.tokenizer, cfg.train, data.chat_template)
+            result = task(
+                data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work), resolved=resolved,
+                live_track=live,
+            )  # fmt: skip
         except TerminationSignal:
             record_cancelled_tasks()
             raise

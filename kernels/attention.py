@@ -100,25 +100,47 @@ def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = 
     return [name for name in order if BACKENDS[name](device, dtype) is None]
 
 
+def _candidates(
+    device: torch.device, head_dim: int | None, capability: tuple[int, int] | None = None
+) -> tuple[dict[str, dispatch.Availability], tuple[str, ...]]:
+    """The backends and their order for `device` and `head_dim` (`capability`: the GPU's, known without asking)."""
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    if head_dim is not None and head_dim > TRITON_MAX_HEAD_DIM:
+        order = tuple(name for name in order if name != "triton")
+    backends = BACKENDS
+    if head_dim is not None or capability is not None:  # FlashAttention-4 only at the head dims it takes
+        from sftflow.kernels.attention_fa4 import head_dim_reason, unavailable_reason
+
+        def fa4_at_this_head_dim(device: torch.device, dtype: torch.dtype) -> str | None:
+            if capability is None:
+                why_not = BACKENDS["flash_attn_4"](device, dtype)
+            else:
+                why_not = unavailable_reason(device, dtype, capability)
+            if why_not is None and head_dim is not None:
+                return head_dim_reason(head_dim, device, capability)
+            return why_not
+
+        backends = {**BACKENDS, "flash_attn_4": fa4_at_this_head_dim}
+    return backends, order
+
+
 def select_backend(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int | None = None
 ) -> dispatch.BackendChoice:
     """The backend `varlen_attention` runs for tensors on `device` with `dtype`, and why (logged once)."""
     device = torch.device(device)
-    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
-    if head_dim is not None and head_dim > TRITON_MAX_HEAD_DIM:
-        order = tuple(name for name in order if name != "triton")
-    backends = BACKENDS
-    if head_dim is not None:  # FlashAttention-4 only at the head dims it takes: the log line says why not
-        from sftflow.kernels.attention_fa4 import head_dim_reason
-
-        available = BACKENDS["flash_attn_4"]
-
-        def fa4_at_this_head_dim(device: torch.device, dtype: torch.dtype) -> str | None:
-            return available(device, dtype) or head_dim_reason(head_dim, device)
-
-        backends = {**BACKENDS, "flash_attn_4": fa4_at_this_head_dim}
+    backends, order = _candidates(device, head_dim)
     return dispatch.select(KERNEL, ENV_VAR, backends, order, device, dtype)
+
+
+def preview_backend(
+    device: torch.device | str, dtype: torch.dtype, head_dim: int | None, capability: tuple[int, int] | None = None
+) -> dispatch.BackendChoice:
+    """`select_backend`'s choice for a run that has not started: neither logged nor recorded, and on a GPU of
+    `capability` without asking the device."""
+    device = torch.device(device)
+    backends, order = _candidates(device, head_dim, capability)
+    return dispatch.choose(KERNEL, ENV_VAR, backends, order, device, dtype)
 
 
 def last_backend() -> dispatch.BackendChoice | None:

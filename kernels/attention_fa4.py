@@ -33,15 +33,18 @@ from sftflow.kernels.attention_ops import NO_WINDOW, define_attention_ops, op_ar
 HALF = (torch.float16, torch.bfloat16)
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when FlashAttention-4 can run on `device` with `dtype`, else why not."""
+def unavailable_reason(
+    device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> str | None:
+    """None when FlashAttention-4 can run on `device` with `dtype`, else why not (`capability`: the GPU's, where it
+    is known without asking the device)."""
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         return "flash-attn-4 is not installed (pip install flash-attn-4)"
     if device.type != "cuda":
         return f"FlashAttention-4 needs CUDA, tensors are on {device.type}"
     if dtype not in HALF:
         return f"FlashAttention-4 needs fp16/bf16, got {dtype}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability or torch.cuda.get_device_capability(device)
     if major < 9:
         return f"FlashAttention-4 needs sm_90 (Hopper) or newer; this GPU is sm_{major}{minor}"
     return None
@@ -54,15 +57,18 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 VERIFIED_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
-def head_dim_reason(head_dim: int, device: torch.device) -> str | None:
+def head_dim_reason(head_dim: int, device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
     """None when FlashAttention-4 takes heads of `head_dim` on `device`'s architecture, else why not."""
     if head_dim not in VERIFIED_HEAD_DIMS:
         return (
             f"FlashAttention-4 is used at head dims {list(VERIFIED_HEAD_DIMS)}, the ones whose gradients sftflow "
             f"checked; {head_dim} is not one of them"
         )
-    on_gpu = device.type == "cuda" and torch.cuda.is_available()
-    major = torch.cuda.get_device_capability(device)[0] if on_gpu else 9  # else read as Hopper's rules
+    on_gpu = device.type == "cuda" and (capability is not None or torch.cuda.is_available())
+    if on_gpu:
+        major = (capability or torch.cuda.get_device_capability(device))[0]
+    else:
+        major = 9  # read as Hopper's rules
     if major in (10, 11) and not (head_dim <= 128 or head_dim == 256):
         return f"FlashAttention-4 on sm_{major}x takes head dims up to 128, or 256, got {head_dim}"
     if major == 9 and head_dim == 256 and deterministic():

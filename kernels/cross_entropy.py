@@ -57,6 +57,13 @@ def select_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     return dispatch.select(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
 
 
+def preview_backend(device: torch.device | str, dtype: torch.dtype) -> dispatch.BackendChoice:
+    """`select_backend`'s choice for a run that has not started, neither logged nor recorded."""
+    device = torch.device(device)
+    order = PREFERENCE.get(device.type, PREFERENCE["cpu"])
+    return dispatch.choose(KERNEL, ENV_VAR, BACKENDS, order, device, dtype)
+
+
 def last_backend() -> dispatch.BackendChoice | None:
     """The backend the last dispatched call ran with (name and reason), or None before the first call."""
     return dispatch.last_choice(KERNEL)

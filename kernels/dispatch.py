@@ -66,6 +66,25 @@ def select(
     dtype: torch.dtype,
 ) -> BackendChoice:
     """Pick a backend for `kernel`: `env_var` forces one by name, otherwise the first available in `preference`."""
+    choice = choose(kernel, env_var, backends, preference, device, dtype)
+    key = (kernel, choice.name, choice.reason)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("%s backend: %s (%s)", kernel, choice.name, choice.reason)
+    _last_choice[kernel] = choice
+    return choice
+
+
+def choose(
+    kernel: str,
+    env_var: str,
+    backends: dict[str, Availability],
+    preference: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> BackendChoice:
+    """`select`'s choice, neither logged nor recorded as the last one: what a run on `device` will pick, known
+    before it starts."""
     forced = os.environ.get(env_var, "").strip()
     if forced:
         if forced not in backends:
@@ -90,11 +109,6 @@ def select(
             skipped.append(f"{name}: {why_not}")
         if choice is None:
             raise ValueError(f"no {kernel} backend can run on {device.type}/{dtype}: " + "; ".join(skipped))
-    key = (kernel, choice.name, choice.reason)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("%s backend: %s (%s)", kernel, choice.name, choice.reason)
-    _last_choice[kernel] = choice
     return choice
 
 

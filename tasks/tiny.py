@@ -50,19 +50,10 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
 
 
 def tiny_llama_config(vocab_size: int, **overrides):
-    """A random-init Llama small enough to train on two CPU cores in seconds per step."""
+    """A random-init Llama small enough to train on two CPU cores in seconds per step (the `tiny` shape of
+    `sftflow.tasks.shapes`)."""
     from transformers import LlamaConfig
 
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    from sftflow.tasks.shapes import SHAPES
+
+    return LlamaConfig(**SHAPES["tiny"].fields(vocab_size=vocab_size, **overrides))

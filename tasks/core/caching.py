@@ -36,7 +36,10 @@ MANIFEST = "manifest.json"
 
 def _normalise(value: Any) -> Any:
     """JSON-able form of an input: a pydantic model hashes as its JSON dump, so a typed model and the dict it dumps to
-    give one key. Unkeyed fields (`_NOT_KEYED`) are left out at any depth."""
+    give one key; an object with a `cache_key()` method (a resolved training run) as what that returns. Unkeyed
+    fields (`_NOT_KEYED`) are left out at any depth."""
+    if callable(getattr(value, "cache_key", None)):
+        value = value.cache_key()
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     if isinstance(value, Path):

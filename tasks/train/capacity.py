@@ -38,6 +38,20 @@ class RowCapacity:
         )
 
 
+def planned_memory(train, num_ranks: int) -> tuple[str, str | int, float, bool]:
+    """What `plan.tokens_per_rank: auto` sizes rows for, before the rows (and so the launch's choices) exist: the
+    training path on `num_ranks` GPUs, and the activation checkpointing, memory budget and offload the rows are
+    planned with. `auto` plans for rows that fit without checkpointing (the fastest per token) at a budget of 1 and
+    without offload, which the launch may still turn on; a setting that was made is planned with as it is (a budget
+    only for compiled layers: `compile: auto` compiles on GPUs)."""
+    parallel = parallel_path(train.parallel, num_ranks, "cuda")  # sized for the GPUs that will train
+    mode = "off" if train.memory.activation_checkpointing == "auto" else train.memory.activation_checkpointing
+    budget = train.memory.activation_memory_budget
+    budget = 1.0 if budget == "auto" or train.memory.compile == "off" else budget
+    offload = train.memory.activation_offload is True and mode != "off"
+    return parallel, mode, budget, offload
+
+
 def model_state_bytes(
     lm: nn.Module,
     quantize: str,
@@ -68,7 +82,8 @@ def model_state_bytes(
 
 
 def device_free_bytes(memory_gib: float | None) -> int:
-    """`memory_gib` when given, else what this machine's first GPU has free."""
+    """`memory_gib` when given, else what this machine's first GPU has free, read as a training run's launch reads
+    it (`resolved.detect_hardware`)."""
     if memory_gib is not None:
         return int(memory_gib * GIB)
     if not torch.cuda.is_available():
@@ -77,7 +92,9 @@ def device_free_bytes(memory_gib: float | None) -> int:
             "ask; set plan.device_memory_gib (free GiB on one training GPU: ~139 on an idle H200, ~79 on an 80 GB "
             "H100) or give plan.tokens_per_rank as a number"
         )
-    return torch.cuda.mem_get_info(0)[0]
+    from sftflow.tasks.train.hardware import detect_hardware
+
+    return detect_hardware("cuda", 1).memory
 
 
 def row_capacity(
@@ -107,16 +124,10 @@ def row_capacity(
         lm = AutoModelForCausalLM.from_config(config)
         if train.lora is not None:
             apply_lora(lm, train.lora, train.model)
-    parallel = parallel_path(train.parallel, num_ranks, "cuda")  # sized for the GPUs that will train
+    parallel, mode, budget, offload = planned_memory(train, num_ranks)
     state = model_state_bytes(
         lm, train.quantize, parallel, num_ranks, accumulating, train.optimizer.in_backward, train.optimizer.offload
     )
-    mode = "off" if train.memory.activation_checkpointing == "auto" else train.memory.activation_checkpointing
-    # a budget the user set applies to compiled layers (`compile: auto` compiles on GPUs); `auto` plans at 1
-    budget = train.memory.activation_memory_budget
-    budget = 1.0 if budget == "auto" or train.memory.compile == "off" else budget
-    # `auto` may turn offload on in the worker; rows are planned for what fits without it unless it is set
-    offload = train.memory.activation_offload is True and mode != "off"
     tokens = max_row_tokens(config, mode, state, free, offload=offload, budget=budget)
     limit = getattr(config, "max_position_embeddings", None)
     if limit:

@@ -313,14 +313,25 @@ class TrainConfig(TrainOptions):
         return Path(self.out)
 
 
-def write_run_json(config: TrainConfig, manifests: dict, path: Path) -> None:
-    """`run.json`: the frozen config (without the node-specific `node_rank`, so every node writes the same bytes)
-    plus the input manifests. Written atomically."""
+def run_config(
+    options: TrainOptions, *, data: str, plan: str, tokenizer: str | None, chat_template: str | None, out: str
+) -> TrainConfig:
+    """One run's `TrainConfig`: the options, and the data index, plan, tokenizer and template it reads and the folder
+    it writes (`out`); the one place the train stage and the `sftflow train` command build it."""
+    return TrainConfig(**dict(options), data=data, plan=plan, tokenizer=tokenizer, chat_template=chat_template, out=out)
+
+
+def write_run_json(config: TrainConfig, manifests: dict, path: Path, resolved: dict | None = None) -> None:
+    """`run.json`: the frozen config (without the node-specific `node_rank`), the input manifests, and the run's
+    resolved choices (`sftflow.tasks.train.resolved.ResolvedRun.to_json`), which the workers apply. Written
+    atomically."""
     payload = {
         "format_version": RUN_FORMAT_VERSION,
         "config": config.model_dump(mode="json", exclude={"node_rank"}),
         "manifests": manifests,
     }
+    if resolved is not None:
+        payload["resolved"] = resolved
     write_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 

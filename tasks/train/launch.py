@@ -309,9 +309,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics | None = None, resolved=None
+) -> TrainResult:
     """Run (or resume) training into `config.out`; blocks until torchrun exits. Raises `TrainingFailed` on failure.
-    `live` follows the run's metrics while it trains."""
+    `live` follows the run's metrics while it trains; `resolved` (`sftflow.tasks.train.resolved.ResolvedRun`): the
+    run's choices, made by the caller (default: resolved here, `resolve_run`)."""
     resume = config.checkpoint.resume if resume is None else resume
     run_dir = config.run_dir
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -328,10 +331,10 @@ def train(config: TrainConfig, *, resume: bool | None = None, live: LiveMetrics 
         # ... and no worker of an earlier launch still alive (its launcher was killed outright, say)
         check_no_writers(writers_file(run_dir, config.node_rank), f"training run {run_dir}")
         remove_stale_temporaries(run_dir)  # what a killed launch of this run left half-written
-        return _launch(config, run_dir, live)
+        return _launch(config, run_dir, live, resolved)
 
 
-def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> TrainResult:
+def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None, resolved=None) -> TrainResult:
     plan = load_plan(config.plan)
     from sftflow.tasks.data.reader import IndexedDataset
 
@@ -370,9 +373,16 @@ def _launch(config: TrainConfig, run_dir: Path, live: LiveMetrics | None) -> Tra
     if checkpoint is not None:
         resuming = checkpoint.parent == run_dir / "checkpoints"
         verify_checksums(checkpoint, config.checkpoint.trust, resuming)  # before any reader unpickles its .metadata
-    write_run_json(config, input_manifests(config), run_dir / "run.json")
+    # Every `auto` made concrete once, here: the workers apply what run.json says (`resolved`).
+    if resolved is None:
+        from sftflow.tasks.train.resolved import resolve_run
+
+        resolved = resolve_run(config, dataset_vocab=vocab_size)
+    write_run_json(config, input_manifests(config), run_dir / "run.json", resolved.to_json())
 
     logger = _logger()
+    for line in resolved.table():  # the run's first lines: what it runs with, and why
+        logger.info("[run] %s", line)
     cmd = torchrun_command(config, run_dir)
     logger.info("launching: %s", " ".join(cmd))
     plan_steps = plan.num_steps

@@ -30,17 +30,8 @@ from torch.profiler import record_function
 from sftflow.tasks.core.disk_full import DiskFull, as_disk_full, report_line
 from sftflow.tasks.core.locks import hold_as_writer
 from sftflow.tasks.train import config as cfg
-from sftflow.tasks.train.activations import (
-    apply_activation_checkpointing,
-    apply_memory_budget,
-    checkpointing_label,
-    resolve_activation_checkpointing,
-    resolve_activation_offload,
-    resolve_memory_budget,
-    settle_memory_budget,
-)
+from sftflow.tasks.train.activations import apply_activation_checkpointing, apply_memory_budget, checkpointing_label
 from sftflow.tasks.train.breakdown import Breakdown, add_cells, breakdown_of
-from sftflow.tasks.train.capacity import model_state_bytes
 from sftflow.tasks.train.checkpoint import (
     Checkpointer,
     ModelState,
@@ -50,7 +41,7 @@ from sftflow.tasks.train.checkpoint import (
     full_tensor,
     restores_model,
 )
-from sftflow.tasks.train.compile import compile_layers, resolve_compile
+from sftflow.tasks.train.compile import compile_layers
 from sftflow.tasks.train.data import (
     RankBatches,
     dataset_vocab_size,
@@ -60,7 +51,7 @@ from sftflow.tasks.train.data import (
     trained_tokens_by_source,
 )
 from sftflow.tasks.train.export import export_streamed, tokenizer_source
-from sftflow.tasks.train.fsdp import DistEnv, compute_dtype, init_distributed, shard_model
+from sftflow.tasks.train.fsdp import DistEnv, init_distributed, shard_model
 from sftflow.tasks.train.host_moments import describe_units
 from sftflow.tasks.train.lifetime import TORCHRUN_PID_VAR, WRITERS_VAR, die_with_parent
 from sftflow.tasks.train.lora import (
@@ -82,6 +73,7 @@ from sftflow.tasks.train.model import (
 )
 from sftflow.tasks.train.oom import MemoryPicture, MemoryWatch
 from sftflow.tasks.train.quantize import base_tensor_of, quantize_base
+from sftflow.tasks.train.resolved import read_resolved
 from sftflow.tasks.train.single_device import MasterAdamW, MasterModelState, single_device_model
 from sftflow.tasks.train.weights import CheckpointFiles, materialize
 
@@ -102,11 +94,6 @@ def build_optimizer(model: torch.nn.Module, c: cfg.OptimConfig) -> torch.optim.A
     hands it the clipping factor and the non-finite flag as device tensors, so clipping and skipping cost no extra
     pass over the gradients and no host sync."""
     return torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=c.betas, eps=c.eps, fused=True)
-
-
-def resolve_parallel(parallel: str, env: DistEnv) -> str:
-    """`cfg.parallel_path` in this process group."""
-    return cfg.parallel_path(parallel, env.world_size, env.device.type)
 
 
 def parallelize(
@@ -130,12 +117,6 @@ def parallelize(
     device only), its linear layers in NF4 (`sftflow.tasks.train.quantize`)."""
     if quantize and (parallel != "single" or not lora):
         raise ValueError("train.quantize: nf4 trains LoRA adapters on one GPU without FSDP (parallel: single)")
-    for name, asked in (("optimizer.in_backward", c.in_backward), ("optimizer.offload", c.offload != "off")):
-        if asked and (parallel != "single" or lora):
-            raise ValueError(
-                f"train.{name}: full fine-tuning on one device (parallel: single); this run is {parallel}"
-                + (" with LoRA" if lora else "")
-            )
     if lora:
         freeze_in_dtype(lm, param_dtype)
     if parallel == "single":
@@ -415,7 +396,13 @@ def build_run(run_dir: Path) -> Run:
     activation checkpointing as configured), its parallel form and optimizer, the schedule, a restored checkpoint,
     and the metrics logger."""
     config = cfg.read_run_json(run_dir)
+    resolved = read_resolved(run_dir)
     env = init_distributed(config.device)
+    if (env.device.type, env.world_size) != (resolved.device, resolved.hardware.count):
+        raise ValueError(
+            f"{run_dir}/run.json was resolved for {resolved.hardware.count} process(es) on {resolved.device}; this "
+            f"run has {env.world_size} on {env.device.type}"
+        )
     if config.num_threads is not None and env.device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
@@ -434,52 +421,23 @@ def build_run(run_dir: Path) -> Run:
     batches = RankBatches(plan, dataset, rank=env.rank, world_size=env.world_size, pad_id=pad_id, breakdown=breakdown)
     total_steps = plan.num_steps if config.max_steps is None else min(config.max_steps, plan.num_steps)
 
-    # `state` below counts the model's bytes; random weights drawn on the GPU already take some of them.
-    free = torch.cuda.mem_get_info(env.device)[0] if env.device.type == "cuda" else None
     lm, weights = build_training_model(
         config.model, vocab_size=vocab_size, packed=batches.packed, overrides=config.model_overrides, device=env.device
     )
     if config.lora is not None:
         apply_lora(lm, config.lora, config.model)
-    compiled = resolve_compile(config.memory.compile, env.device)
-    param_dtype = compute_dtype(env, config.memory.dtype)
+    # Everything `auto` was resolved once, at launch (`resolved.resolve_run`): applied here, decided nowhere else.
+    compiled, parallel = resolved.compile.value, resolved.parallel.value
+    param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[resolved.dtype.value]
     if compiled:
         compile_layers(
             decoder_layers(lm), strict=config.memory.compile == "layers", device=env.device, dtype=param_dtype
         )
-    parallel = resolve_parallel(config.parallel, env)
     layers = decoder_layers(lm)
-    # a plan made for more ranks than train here gives each process several plan ranks' rows a step
-    micro_batches = plan.micro_batches_per_step * plan.num_ranks // env.world_size
-    if config.optimizer.in_backward and micro_batches > 1:
-        raise ValueError(
-            f"train.optimizer.in_backward steps each parameter in the backward of one micro-batch; "
-            f"{plan_path(config.plan)} has {micro_batches} a step on each of {env.world_size} process(es) "
-            f"({plan.micro_batches_per_step} micro-batch(es) x {plan.num_ranks} planned ranks): plan one a step "
-            "for this many ranks"
-        )
-    state = model_state_bytes(
-        lm, config.quantize, parallel, env.world_size, micro_batches > 1, config.optimizer.in_backward,
-        config.optimizer.offload,
-    )  # fmt: skip
-    budget = resolve_memory_budget(
-        config.memory.activation_memory_budget, compiled, env.device, lm.config, plan.tokens_per_rank, state, free
-    )
-    offload = resolve_activation_offload(
-        config.memory.activation_offload, config.memory.activation_checkpointing, env.device, lm.config,
-        plan.tokens_per_rank, state, free, budget, host_room(lm, config), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-    )  # fmt: skip
-    checkpointing = resolve_activation_checkpointing(
-        config.memory.activation_checkpointing,
-        env.device,
-        lm.config,
-        plan.tokens_per_rank,
-        state,
-        offload,
-        free,
-        budget,
-    )
-    budget = settle_memory_budget(config.memory.activation_memory_budget, budget, checkpointing, len(layers))
+    budget = resolved.activation_memory_budget.value
+    offload = resolved.activation_offload.value
+    checkpointing = resolved.activation_checkpointing.value
+    state, free = resolved.state_bytes, resolved.hardware.memory
     apply_memory_budget(budget)
     apply_activation_checkpointing(layers, checkpointing, offload=offload)
     optim_c = cfg.optim_config(config)
@@ -518,6 +476,8 @@ def build_run(run_dir: Path) -> Run:
         resume_step=progress.step,
     )
     label = checkpointing_label(checkpointing, len(layers))
+    if env.is_main and config.lora is not None:  # the resolved run's last line: only known once the model is built
+        print(f"[train] {lora_summary(lm, config, n_trainable, n_params)}", flush=True)
     if env.is_main:
         print(
             f"[train] {how}; {n_params / 1e6:.2f}M params, world {env.world_size} on {env.device.type}, "
@@ -666,18 +626,6 @@ def _train(run: Run, watch: MemoryWatch) -> None:
     dist.destroy_process_group()
 
 
-def host_room(lm: torch.nn.Module, config: cfg.TrainConfig) -> int | None:
-    """Host memory the checkpointed inputs may take: what the host has available, less the headroom the process
-    keeps and the AdamW moments `optimizer.offload` is about to pin (None where the host does not say)."""
-    from sftflow.tasks.train.host_moments import HOST_HEADROOM, available_host_bytes, offloaded_numel
-
-    available = available_host_bytes()
-    if available is None:
-        return None
-    moments = 8 * offloaded_numel(lm, config.optimizer.offload)[0] if config.optimizer.offload != "off" else 0
-    return max(available - HOST_HEADROOM - moments, 0)
-
-
 def export_run(run: Run) -> None:
     """`hf/`: the trained model (and, for LoRA, `hf/adapter/`), written by rank 0 a tensor group at a time
     (`export_streamed`): for LoRA with `merge`, each wrapped layer's base merged with its adapters as it is written."""
@@ -714,6 +662,14 @@ def lora_label(config: cfg.TrainConfig, trainable: int) -> str:
     targets = lora.targets if isinstance(lora.targets, str) else ", ".join(lora.targets)
     base = "NF4" if config.quantize == "nf4" else "frozen"
     return f", LoRA r{lora.rank} on {targets} ({trainable / 1e6:.2f}M trainable, {base} base)"
+
+
+def lora_summary(lm: torch.nn.Module, config: cfg.TrainConfig, trainable: int, total: int) -> str:
+    """`LoRA r16 on 7 modules: 4.2M trainable of 1.2B`: the adapted module kinds, the adapters' and the model's
+    parameters."""
+    kinds = {name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if hasattr(module, "lora_A")}
+    size = f"{total / 1e9:.1f}B" if total >= 1e9 else f"{total / 1e6:.1f}M"
+    return f"LoRA r{config.lora.rank} on {len(kinds)} modules: {trainable / 1e6:.1f}M trainable of {size}"
 
 
 USER_ERROR = "worker-error.txt"

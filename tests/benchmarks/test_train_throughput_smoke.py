@@ -17,6 +17,7 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--modes", "D,D1b0.9,De@sdpa"]
     cmd += ["--row-tokens", "256", "--median-length", "24", "--min-length", "4", "--max-length", "96"]
     cmd += ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "--profile-steps", "0", "--out", str(out)]
+    cmd += ["--jsonl", str(tmp_path / "rows.jsonl")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "train_throughput.json").read_text())
@@ -40,6 +41,14 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     assert counted["estimated_peak_gib"] > 0 and d["estimated_peak_gib"] > 0
     # a mode's @suffix forces its attention backend, for that mode alone
     assert "attention sdpa" in results["De@sdpa"]["what"] and "compile=off" in results["De@sdpa"]["what"]
+    # --jsonl: one row per figure, with the environment it was measured in
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    fields = {"date", "gpu", "versions", "commit", "benchmark", "mode", "metric", "value", "unit"}
+    assert all(set(row) == fields for row in rows)
+    assert {row["benchmark"] for row in rows} == {"train_throughput/tiny/256"}
+    speed = {row["mode"]: row["value"] for row in rows if row["metric"] == "tokens_per_s"}
+    assert speed == {mode: results[mode]["tokens_per_s"] for mode in results}
+    assert all(row["gpu"] is None and row["versions"]["torch"] for row in rows)
 
 
 def test_a_baseline_runs_on_two_ranks_and_counts_both_ranks_tokens(tmp_path):

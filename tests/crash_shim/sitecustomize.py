@@ -1,5 +1,6 @@
 """Test-only crash injection for training workers, loaded by Python at start-up when this folder is on PYTHONPATH
-(the `inject_crash` fixture in `tests/conftest.py` puts it there; GPU benchmarks do the same).
+(the `inject_crash` fixture in `tests/conftest.py` puts it there; `benchmarks/train_throughput.py --gpu-check` does
+the same).
 
 `SFTFLOW_TEST_CRASH=crash_after_step=N[,rank=R][,lr=X]` makes a worker (`python -m sftflow.tasks.train.worker
 RUN_DIR`) SIGKILL rank R (default: the last) right after optimizer step N and its checkpoint, once per run folder:
@@ -41,10 +42,10 @@ def _install(module) -> None:
     crash_rank = int(fields.get("rank", world - 1))
     due = module.Checkpointer.due
 
-    def crashing_due(self, step: int) -> bool:
+    def crashing_due(self, step: int, last: bool = False) -> bool:
         if step != crash_step:
-            return due(self, step)
-        if due(self, step):
+            return due(self, step, last=last)
+        if due(self, step, last=last):
             self.save(step)
         if rank == crash_rank:
             marker.write_text(f"rank {rank} killed itself after step {step}\n")

@@ -26,11 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sftflow.flows.local_api import free_port
-from tests.deployments import test_serve
-from tests.deployments.test_serve import REPO, TINY, _stop, _wait, _workers_under, lock_free
-
-prefect_server = test_serve.prefect_server  # the same fixture: one `prefect server` for this module
+from tests.deployments.conftest import prefect_server_on, stop, wait_for
+from tests.deployments.test_serve import REPO, TINY, _workers_under, lock_free
 
 pytestmark = pytest.mark.slow
 
@@ -91,22 +88,8 @@ def _api(env: dict, path: str, body: dict | None = None):
 @contextmanager
 def _second_server(env: dict, folder: Path) -> Iterator[tuple[dict, subprocess.Popen]]:
     """Another `prefect server` on the database of `env`'s: (the environment that reaches it, its process)."""
-    port = free_port()
-    env = dict(env, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
-    with open(folder / "server.log", "w") as log:
-        server = subprocess.Popen(
-            ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            _wait(lambda: _health(env["PREFECT_API_URL"]) or server.poll() is not None, 120, "a second server")
-            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
-            yield env, server
-        finally:
-            _stop(server)
+    with prefect_server_on(env, folder / "server.log", 120) as (env, server):
+        yield env, server
 
 
 def _kill(server: subprocess.Popen) -> None:
@@ -138,16 +121,16 @@ def _served_run(env: dict, folder: Path) -> Iterator[tuple[subprocess.Popen, int
                 except OSError:
                     return False
 
-            _wait(served, 120, "sft/full to be served")
+            wait_for(served, 120, "sft/full to be served")
             run = ["prefect", "deployment", "run", "sft/full"]
             started = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
             assert started.returncode == 0, started.stdout + started.stderr
-            _wait(lambda: _training(folder / "work"), 300, "training to start\n" + log_path.read_text()[-3000:])
+            wait_for(lambda: _training(folder / "work"), 300, "training to start\n" + log_path.read_text()[-3000:])
             (engine,) = _children(serve.pid, "prefect.engine")
             assert not lock_free(folder / "work")
             yield serve, engine
         finally:
-            _stop(serve)
+            stop(serve)
             if engine is not None and _alive(engine):
                 os.kill(engine, signal.SIGKILL)
 
@@ -157,19 +140,19 @@ def test_a_killed_serve_takes_its_flow_run_and_training_with_it(prefect_server, 
         os.kill(serve.pid, signal.SIGKILL)
         serve.wait(timeout=10)
         log = tmp_path / "serve.log"
-        _wait(lambda: not _alive(engine), 45, "the flow run process to end\n" + log.read_text()[-3000:])
+        wait_for(lambda: not _alive(engine), 45, "the flow run process to end\n" + log.read_text()[-3000:])
         _lock_released(tmp_path / "work")
-        _wait(lambda: not _workers_under(tmp_path / "work"), 15, "the training workers to exit")
+        wait_for(lambda: not _workers_under(tmp_path / "work"), 15, "the training workers to exit")
 
 
 def test_a_served_run_that_lost_its_api_ends_and_lets_go_of_the_work_folder(prefect_server, tmp_path):
     with _second_server(prefect_server, tmp_path) as (env, server), _served_run(env, tmp_path) as (serve, engine):
         _kill(server)
         log = tmp_path / "serve.log"
-        _wait(lambda: not _alive(engine), 45, "the flow run process to end\n" + log.read_text()[-3000:])
+        wait_for(lambda: not _alive(engine), 45, "the flow run process to end\n" + log.read_text()[-3000:])
         assert f"error: lost the Prefect API at {env['PREFECT_API_URL']}: " in log.read_text(), log.read_text()[-3000:]
         _lock_released(tmp_path / "work")
-        _wait(lambda: not _workers_under(tmp_path / "work"), 15, "the training workers to exit")
+        wait_for(lambda: not _workers_under(tmp_path / "work"), 15, "the training workers to exit")
 
 
 def test_a_lost_api_ends_sftflow_run_with_one_line_naming_it(prefect_server, tmp_path):
@@ -186,26 +169,26 @@ def test_a_lost_api_ends_sftflow_run_with_one_line_naming_it(prefect_server, tmp
                 start_new_session=True,
             )
         try:
-            _wait(lambda: _training(work) or run.poll() is not None, 120, "training to start")
+            wait_for(lambda: _training(work) or run.poll() is not None, 120, "training to start")
             assert run.poll() is None, (tmp_path / "run.err").read_text()[-3000:]
             _kill(server)
             code = run.wait(timeout=45)
         finally:
-            _stop(run)
+            stop(run)
     stdout, stderr = (tmp_path / "run.out").read_text(), (tmp_path / "run.err").read_text()
     assert code == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: lost the Prefect API at {url}: "), stderr[-3000:]
     assert "Finished in state Running()" not in stdout + stderr
     _lock_released(work)
-    _wait(lambda: not _workers_under(work), 15, "the training workers to exit")
+    wait_for(lambda: not _workers_under(work), 15, "the training workers to exit")
 
 
 def _lock_released(work: Path) -> None:
     # A process whose main thread has ended (a zombie in /proc) may still be tearing down its other threads, which
     # share its open files: the lock goes with the last of them.
     lock = work / ".sftflow.lock"
-    _wait(lambda: lock_free(work), 15, f"the work folder's lock to be released (open in {_holders(lock)})")
+    wait_for(lambda: lock_free(work), 15, f"the work folder's lock to be released (open in {_holders(lock)})")
 
 
 def _holders(path: Path) -> list[str]:
@@ -219,11 +202,3 @@ def _holders(path: Path) -> list[str]:
         except OSError:
             continue
     return found
-
-
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False

@@ -13,11 +13,9 @@ import fcntl
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sftflow.flows.local_api import free_port
 from tests.conftest import crash_env
 from tests.deployments.browser import chromium_path, show_run_artifacts
+from tests.deployments.conftest import stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -46,27 +44,6 @@ DEPLOYMENTS = (
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 CRASH_LR = 7e-4  # the run with this learning rate crashes after step 1, once (tests/crash_shim); the others do not
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss ")  # `progress_log.progress_line`
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 @dataclass
@@ -94,53 +71,12 @@ class Served:
 
     def final_state(self, flow_run_id: str, timeout_s: float = 600) -> str:
         final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-        return _wait(lambda: self.state(flow_run_id) in final and self.state(flow_run_id), timeout_s, "a final state")
+        return wait_for(
+            lambda: self.state(flow_run_id) in final and self.state(flow_run_id), timeout_s, "a final state"
+        )
 
     def serve_log(self) -> str:
         return self.log.read_text()
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_API_URL=api,
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
-        PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
-        DO_NOT_TRACK="1",
-        # The server streams logs to `--watch` only when asked to (the README's deployment section says so).
-        PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="true",
-        PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="true",
-        COLUMNS="250",  # `--watch` prints through rich, which wraps lines at the terminal width
-    )
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen(
-        ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(api + "/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return server.poll() is not None
-
-    try:
-        _wait(healthy, 180, "prefect server")
-        assert server.poll() is None, (home / "server.log").read_text()[-3000:]
-        yield env
-    finally:
-        _stop(server)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +119,10 @@ def served(prefect_server, tmp_path_factory) -> Served:
         return names >= set(DEPLOYMENTS)
 
     try:
-        _wait(all_served, 180, "the served deployments")
+        wait_for(all_served, 180, "the served deployments")
         yield it
     finally:
-        _stop(serve)
+        stop(serve)
         log.close()
 
 
@@ -297,14 +233,14 @@ def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
     reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
     reader.start()
     try:
-        flow_run_id = _wait(lambda: re.search(UUID, "".join(lines)), 120, "the flow run id").group(0)
-        _wait(lambda: STEP_LINE.search("".join(lines)), 600, "training to start\n" + "".join(lines))
+        flow_run_id = wait_for(lambda: re.search(UUID, "".join(lines)), 120, "the flow run id").group(0)
+        wait_for(lambda: STEP_LINE.search("".join(lines)), 600, "training to start\n" + "".join(lines))
         cancelled = served.prefect("flow-run", "cancel", flow_run_id, timeout=120)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
         assert served.final_state(flow_run_id, timeout_s=120) == "CANCELLED"
         watch.wait(timeout=120)
     finally:
-        _stop(watch)
+        stop(watch)
     reader.join(timeout=10)
     # The stage runs, the parent and the train task end Cancelled, none Crashed. (Prefect's task engine records the
     # interrupted task as Crashed; sft-train records it as Cancelled when a cancel interrupted it.)
@@ -323,8 +259,8 @@ def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
     assert "Cancelled" in watched and "Crashed" not in watched, watched[-4000:]
     # No training worker of this run outlived it: the launcher killed torchrun's process group; and the flow run's
     # process let go of the work folder.
-    _wait(lambda: not _workers_under(served.work), 30, "the training workers to exit")
-    _wait(lambda: lock_free(served.work), 30, "the work folder's lock to be released")
+    wait_for(lambda: not _workers_under(served.work), 30, "the training workers to exit")
+    wait_for(lambda: lock_free(served.work), 30, "the work folder's lock to be released")
 
 
 def lock_free(work: Path) -> bool:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-SMALL = dict(
-    hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512
-)
+from sftflow.tasks.shapes import SHAPES
+
+# The width every family shares here (`family-small` of `sftflow.tasks.shapes`); each family sets its depth.
+SMALL = SHAPES["family-small"].fields()
 
 FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     # meta-llama/Llama-3.1-8B: untied head, llama3 RoPE scaling.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from sftflow.tasks.shapes import SHAPES
 from sftflow.tasks.train.activations import (
     ELEMENTWISE_BUDGET,
     OVERHEAD_BYTES,
@@ -193,11 +194,8 @@ def test_offloaded_checkpoints_keep_less_on_the_gpu():
 def _llama(size: str):
     from transformers import AutoConfig
 
-    shape = {
-        "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True),
-        "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
-    }[size]
-    return AutoConfig.for_model("llama", vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, **shape)
+    fields = SHAPES[{"1b": "llama3.2-1b", "8b": "llama3.1-8b"}[size]].structure()
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 PARAMS = {"1b": 1_235_814_400, "8b": 8_030_261_248}
@@ -232,11 +230,9 @@ def test_the_estimate_covers_the_peaks_measured_on_an_h200_without_wasting_a_qua
 
 # The other shapes measured on the H100, as `benchmarks/train_throughput.py`'s presets build them.
 MEASURED_SHAPES = {
-    "qwen1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, vocab_size=151936,
-                               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
-    "phi3mini": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, vocab_size=32064,
-                              num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)),
-}  # fmt: skip
+    name: (SHAPES[shape].family, {k: v for k, v in SHAPES[shape].structure().items() if k != "model_type"})
+    for name, shape in (("qwen1.5b", "qwen2.5-1.5b"), ("phi3mini", "phi3-mini"))
+}
 
 
 def _measured_shape(name: str):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
-from functools import partial
 
 import pytest
 import torch
@@ -139,17 +138,14 @@ def test_refuses_low_precision_parameters():
 
 
 def test_auto_picks_single_only_for_one_cuda_device():
-    from types import SimpleNamespace
+    from sftflow.tasks.train.config import parallel_path
 
-    from sftflow.tasks.train.worker import resolve_parallel
-
-    env = partial(SimpleNamespace)
-    assert resolve_parallel("auto", env(world_size=1, device=torch.device("cuda"))) == "single"
-    assert resolve_parallel("auto", env(world_size=2, device=torch.device("cuda"))) == "fsdp"
-    assert resolve_parallel("auto", env(world_size=1, device=torch.device("cpu"))) == "fsdp"
-    assert resolve_parallel("single", env(world_size=1, device=torch.device("cpu"))) == "single"
+    assert parallel_path("auto", 1, "cuda") == "single"
+    assert parallel_path("auto", 2, "cuda") == "fsdp"
+    assert parallel_path("auto", 1, "cpu") == "fsdp"
+    assert parallel_path("single", 1, "cpu") == "single"
     with pytest.raises(ValueError, match="one process"):
-        resolve_parallel("single", env(world_size=2, device=torch.device("cpu")))
+        parallel_path("single", 2, "cpu")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

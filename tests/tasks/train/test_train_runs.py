@@ -261,3 +261,29 @@ def test_all_masked_micro_batch_and_zero_token_step(tmp_path, tiny_tokenizer, ti
     assert all(torch.isfinite(t).all() for t in after3.values())
     moments1, moments2 = read_dcp(ckpt / "step-1", "optimizer.state."), read_dcp(ckpt / "step-2", "optimizer.state.")
     assert all(torch.equal(moments1[k], moments2[k]) for k in moments1)
+
+
+def test_a_run_logs_its_resolved_choices_first_and_writes_them_to_run_json(setup, caplog):
+    """The launcher resolves every `auto` once: the run's first lines are the table, and run.json holds it for the
+    workers, which apply it (a CPU run: FSDP over its processes, fp32, no compiled layers, no checkpointing)."""
+    import json
+    import logging
+
+    from sftflow.tasks.train.resolved import read_resolved
+
+    root, base, _, _ = setup
+    with caplog.at_level(logging.INFO, logger="sftflow.train"):
+        run(base, root / "resolved", nproc=1, max_steps=1, lora={"rank": 4}, save_grads_at_steps=())
+    lines = [r.getMessage() for r in caplog.records if r.name == "sftflow.train"]
+    table = [line for line in lines if line.startswith("[run] ")]
+    assert lines[: len(table)] == table  # before `launching: ...` and every worker line
+    text = "\n".join(table)
+    assert "[run] parallel: fsdp (auto: 1 process(es) on cpu)" in text
+    assert "[run] dtype: fp32 (auto: fp32 on cpu)" in text
+    assert "[run] activation checkpointing: off (auto: off on a CPU)" in text
+    assert "[run] attention: " in text and "[run] loss: " in text
+    assert any("LoRA r4 on 7 modules: " in line and "trainable of" in line for line in lines)
+    payload = json.loads((root / "resolved" / "run.json").read_text())
+    assert payload["resolved"]["parallel"]["value"] == "fsdp"
+    resolved = read_resolved(root / "resolved")
+    assert resolved.device == "cpu" and resolved.tokens_per_rank.value == 64 and resolved.micro_batches == 4

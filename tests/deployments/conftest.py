@@ -1,0 +1,93 @@
+"""What the deployment tests share: polling for a condition, stopping a process group, and a real `prefect server`
+started on a database of its own and waited for until it answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from sftflow.flows.local_api import free_port
+
+POLL_S = 0.2
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """The first truthy value of `predicate()`, polled every `POLL_S` seconds; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group of `proc` (started with `start_new_session=True`), SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def healthy(api: str) -> bool:
+    """Whether the Prefect API at `api` answers its health check."""
+    try:
+        with urllib.request.urlopen(api + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def prefect_server_on(env: dict, log_path: Path, timeout_s: float) -> Iterator[tuple[dict, subprocess.Popen]]:
+    """`prefect server start` on a free loopback port with `env` (its PREFECT_* settings: home, database), once it
+    answers: (`env` with PREFECT_API_URL naming it, the server's process). Stopped, by process group, on exit."""
+    port = free_port()
+    env = dict(env, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for(lambda: healthy(env["PREFECT_API_URL"]) or server.poll() is not None, timeout_s, "prefect server")
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            yield env, server
+        finally:
+            stop(server)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """One `prefect server` for the module, on a database of its own: the environment that reaches it."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
+        DO_NOT_TRACK="1",
+        # The server streams logs to `--watch` only when asked to (the README's deployment section says so).
+        PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="true",
+        PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="true",
+        COLUMNS="250",  # `--watch` prints through rich, which wraps lines at the terminal width
+    )
+    with prefect_server_on(env, home / "server.log", 180) as (env, _):
+        yield env

@@ -1,0 +1,96 @@
+"""The training stage on a GPU through its real launcher: train, crash, resume, export.
+
+A Llama-shaped random-init model (`llama-1024x8` of `sftflow.tasks.shapes`: 8 layers, hidden 1024, 16 heads / 8 KV
+heads, vocab 32k), bf16 compute with fp32 master weights, mock documents (lognormal lengths, median 600), packed
+rows of 16,384 tokens per rank. The first launch is killed after step 20 (the `inject_crash` fixture: one worker
+SIGKILLs itself; the checkpoint of step 20 is written); the second launch resumes from `latest` and finishes. Every
+step is logged once, the loss stays finite and the export reloads with the model's parameters. The run's tokens/s
+(median of the steps after warm-up), the worker's MFU estimate and peak memory are printed (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from sftflow.tasks.shapes import SHAPES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+STEPS, CRASH_AFTER, ROW = 30, 20, 16384
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_gpu_run_crashes_resumes_and_exports(tmp_path, inject_crash, nproc):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from sftflow.tasks.plan.planner import PlanConfig, plan, save_plan
+    from sftflow.tasks.train.config import TrainConfig
+    from sftflow.tasks.train.launch import TrainingFailed, train
+    from sftflow.tasks.train.metrics import read_metrics
+    from sftflow.tasks.train.mock import MockConfig, MockDataset, write_mock_index
+
+    shape = SHAPES["llama-1024x8"]
+    mock = MockConfig(
+        num_docs=2000 * nproc,
+        vocab_size=shape.vocab,
+        median_length=600,
+        sigma=1.0,
+        min_length=16,
+        max_length=ROW // 4,
+        loss_spans=True,
+    )
+    dataset = MockDataset(mock)
+    arrays, _ = plan(
+        dataset.lengths,
+        dataset.loss_token_counts,
+        PlanConfig(num_ranks=nproc, tokens_per_rank=ROW, micro_batches_per_step=1),
+    )
+    (tmp_path / "plan").mkdir()
+    save_plan(arrays, tmp_path / "plan" / "plan.npz")
+    LlamaConfig(**shape.fields()).to_json_file(str(tmp_path / "model.json"))
+    config = TrainConfig(
+        data=str(write_mock_index(mock, tmp_path / "data")),
+        plan=str(tmp_path / "plan"),
+        model=str(tmp_path / "model.json"),
+        out=str(tmp_path / "run"),
+        nproc=nproc,
+        max_steps=STEPS,
+        device="cuda",
+        timeout_s=600,
+        checkpoint=dict(every=10, keep_last=2),
+        schedule=dict(warmup_steps=3),
+        optimizer=dict(lr=3e-4),
+    )
+
+    inject_crash(f"crash_after_step={CRASH_AFTER}")
+    with pytest.raises(TrainingFailed):
+        train(config)
+    inject_crash(None)
+    result = train(config, resume=True)
+
+    assert result.steps == STEPS
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    reloaded = AutoModelForCausalLM.from_pretrained(result.hf_dir)
+    with torch.device("meta"):
+        expected = AutoModelForCausalLM.from_config(LlamaConfig(**shape.fields()))
+    assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in expected.parameters())
+    timed = [r for r in records if r["step"] > 3 and r["step"] != CRASH_AFTER + 1]
+    summary = {
+        "gpu": torch.cuda.get_device_name(0),
+        "nproc": nproc,
+        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in timed)),
+        "mfu_median": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
+        "peak_memory_gib": max(r["peak_memory_gib"] or 0 for r in records),
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
+    }
+    print("[train-crash-resume] " + json.dumps(summary), flush=True)
