@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.config import DataConfig, SFTConfig, SourceSpec, data_config, resolve_config
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
-from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TokenizedShard
+from sftflow.tasks.core.manifests import DatasetIndex, PbinShard, RenderedShard, TemplateChoice, TokenizedShard
 from sftflow.tasks.data.hub import materialize, resolve_revision
 from sftflow.tasks.data.stage import (
     SourceFile,
@@ -45,6 +45,8 @@ class DataResult(BaseModel):
     index: DatasetIndex
     # The chat template the data was rendered with (a file in the work folder), for the export.
     chat_template: str | None = None
+    # How that template was chosen (None in results written before it was recorded), for the train stage's log.
+    template_choice: TemplateChoice | None = None
 
     @property
     def index_dir(self) -> str:
@@ -154,7 +156,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             for shard in source_files(local_path(spec, work, logger), dcfg.shard_bytes, dcfg.shard_records)
         ]
         sources: list[SourceFile] = [shard for _, shard in named]
-        template_sha, template_file, template_name = training_template(dcfg.render, tokenizer, work)
+        template_sha, template_file, template_name, choice = training_template(dcfg.render, tokenizer, work)
         logger.info(
             "sft-data: %d source(s) in %d shard(s), template %s (sha256 %s), tokenizer %s, task runner %s%s",
             len(dcfg.sources),
@@ -204,6 +206,7 @@ def sft_data(config_path: str | None = None, config: SFTConfig | None = None, fo
             pbin=shards,
             index=dataset_index,
             chat_template=template_file,
+            template_choice=choice,
         )
         write_stage_result(work, "data", result)
         logger.info("sft-data: %s", json.dumps(result.summary()))

@@ -35,17 +35,17 @@ def bare_index(data: Path) -> bool:
     return (data / "index.json").is_file() and not (data / "data.json").is_file()
 
 
-def data_inputs(data: Path) -> tuple[str, str | None, str | None]:
-    """(index folder, tokenizer, chat template) of `data`: a `sftflow data` output, or a bare dataset index (whose
-    tokenizer and template are not known: the model's are used)."""
+def data_inputs(data: Path) -> tuple[str, str | None, str | None, Any]:
+    """(index folder, tokenizer, chat template, how the template was chosen) of `data`: a `sftflow data` output, or a
+    bare dataset index (whose tokenizer and template are not known: the model's are used)."""
     if bare_index(data):
-        return str(data), None, None
+        return str(data), None, None, None
     if not (data / "data.json").is_file():
         raise ValueError(
             f"{data}: neither a `sftflow data` output (data.json) nor a dataset index (index.json); pass --data DIR"
         )
     result = data_result(data)
-    return result.index_dir, result.tokenizer.path, result.chat_template
+    return result.index_dir, result.tokenizer.path, result.chat_template, result.template_choice
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,10 @@ def train_folder_config(cfg, *, data: Path | None, plan: Path | None, out: Path 
     from sftflow.tasks.train.config import run_config
 
     work = Path(cfg.work_dir)
-    index_dir, tokenizer, chat_template = data_inputs(data or work / "data")
+    index_dir, tokenizer, chat_template, choice = data_inputs(data or work / "data")
     return run_config(
         cfg.train, data=index_dir, plan=str(plan or work / "plan"), tokenizer=tokenizer, chat_template=chat_template,
-        out=str(out or work / "run"),
+        out=str(out or work / "run"), template_choice=choice,
     )  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def eval_folder(cfg, *, model: str | None, data: Path | None, base: str | None, 
     from sftflow.tasks.eval.stage import evaluate_run
 
     work = Path(cfg.work_dir)
-    index_dir, tokenizer, _ = data_inputs(data or work / "data")
+    index_dir, tokenizer, _, _ = data_inputs(data or work / "data")
     model = model or str(work / "run" / "hf")
     out = out or work / "eval"
     base_ref = ModelRef(spec=base, seed=cfg.train.seed) if base else None

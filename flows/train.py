@@ -43,7 +43,9 @@ def sft_train(
         live = live_tracker(cfg.track, work, end_runs=end_tracking) if cfg.train.node_rank == 0 else None
         try:
             # Every `auto` resolved once, here: its concrete values are part of the run's cache key.
-            resolved = resolve_train(data.index, plan, data.tokenizer, cfg.train, data.chat_template)
+            resolved = resolve_train(
+                data.index, plan, data.tokenizer, cfg.train, data.chat_template, data.template_choice
+            )
             result = task(
                 data.index, plan, data.tokenizer, cfg.train, data.chat_template, str(work), resolved=resolved,
                 live_track=live,

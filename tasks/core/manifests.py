@@ -8,6 +8,7 @@ consumer trusts a cached manifest.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -51,6 +52,33 @@ class RenderedShard(Manifest):
     num_rejected: int
     rejects_path: str | None = None
     config_sha256: str
+
+
+class TemplateChoice(BaseModel):
+    """How the data stage chose its chat template, as the train stage prints it: `name`, and `how` it was chosen
+    (`auto`; `named`: a built-in one named in `data.render.template`; `file`: a .jinja file given there; `tokenizer`:
+    the tokenizer's own). For `auto` that picked a built-in template, `probes` conversations were rendered with it
+    and with the tokenizer's own template and `equal` of them gave the same text; `note` says what else to know."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    how: Literal["auto", "named", "file", "tokenizer"]
+    probes: int | None = None
+    equal: int | None = None
+    note: str | None = None
+
+    def reason(self) -> str:
+        """Why this template, in a few words: `auto, equal to the tokenizer's own on 5/5 probes`."""
+        if self.how == "auto" and self.probes is not None:
+            why = f"auto, equal to the tokenizer's own on {self.equal}/{self.probes} probes"
+        else:
+            why = {
+                "auto": "auto",
+                "named": "named in data.render.template",
+                "file": "given in data.render.template",
+                "tokenizer": "the tokenizer's own",
+            }[self.how]
+        return f"{why}; {self.note}" if self.note else why
 
 
 class TokenizedShard(Manifest):

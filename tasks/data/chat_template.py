@@ -35,6 +35,7 @@ from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sftflow.tasks.core.manifests import TemplateChoice
 from sftflow.tasks.data.template_clock import strftime_now
 from sftflow.tasks.data.template_limits import RenderLimits, render_limited
 from sftflow.tasks.data.template_sizes import (
@@ -220,6 +221,7 @@ class ChatTemplate:
         except TemplateError as err:
             raise ValueError(f"chat template {name}: does not compile: {err}") from err
         self.has_generation_tag = bool(_GENERATION_TAG_RE.search(text))
+        self.choice: TemplateChoice | None = None  # how `load_template` chose it
 
     def render(
         self,
@@ -317,14 +319,21 @@ def load_template(spec: str | None, tokenizer=None, tokenizer_name: str = "the t
                 f"({'/'.join(BUILTIN_TEMPLATES)}) or a .jinja file"
             )
         own = ChatTemplate(text, special, name="tokenizer.chat_template")
-        return own if spec != "auto" else _auto(own, special, tokenizer_name)
+        if spec != "auto":
+            own.choice = TemplateChoice(name=own.name, how="tokenizer")
+            return own
+        return _auto(own, special, tokenizer_name)
     if spec in BUILTIN_TEMPLATES:
-        return ChatTemplate(builtin_template_text(spec), special, name=spec, writes_tokens=TEMPLATE_TOKENS[spec])
+        named = ChatTemplate(builtin_template_text(spec), special, name=spec, writes_tokens=TEMPLATE_TOKENS[spec])
+        named.choice = TemplateChoice(name=spec, how="named")
+        return named
     path = Path(spec)
     if path.suffix == ".jinja" or path.is_file():
         if not path.is_file():
             raise ValueError(f"template: file {spec} does not exist")
-        return ChatTemplate(path.read_text(encoding="utf-8"), special, name=str(path))
+        given = ChatTemplate(path.read_text(encoding="utf-8"), special, name=str(path))
+        given.choice = TemplateChoice(name=path.name, how="file")
+        return given
     raise ValueError(
         f"template: {spec!r} is neither 'auto', a built-in template ({'/'.join(BUILTIN_TEMPLATES)}) nor a .jinja file"
     )
@@ -341,6 +350,7 @@ def _auto(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> Ch
     candidates = (ChatTemplate(builtin_template_text(n), special, name=n) for n in BUILTIN_TEMPLATES)
     match = next((t for t in candidates if renders_alike(own, t)), None)
     if own.has_generation_tag and (match is None or not tags_cover_more(own, match)):
+        own.choice = TemplateChoice(name=own.name, how="auto", note="the tokenizer's own, with generation tags")
         return own
     if match is None:
         raise ValueError(
@@ -358,5 +368,22 @@ def _auto(own: ChatTemplate, special: dict[str, str], tokenizer_name: str) -> Ch
         )
     else:
         log.info("template auto: %s renders what the chat_template of %s renders; using it", match.name, tokenizer_name)
+    match.choice = _auto_choice(own, match)
     match.name = f"{match.name} (auto: matches {tokenizer_name}'s chat_template)"
     return match
+
+
+def _auto_choice(own: ChatTemplate, match: ChatTemplate) -> TemplateChoice:
+    """How `template: auto` chose `match`: the probes it renders as the tokenizer's own template does."""
+    from sftflow.tasks.data.template_match import count_alike
+
+    counts = count_alike(own, match)
+    notes = []
+    if counts.differing:  # alike, not equal: only tool calls that the tokenizer's template drops and `match` refuses
+        probes = " or ".join(counts.differing)
+        notes.append(f"not on {probes}: the tokenizer's own drops its tool calls, {match.name} refuses them")
+    if own.has_generation_tag:
+        notes.append("the tokenizer's own tags also cover role cues")
+    return TemplateChoice(
+        name=match.name, how="auto", probes=counts.compared, equal=counts.equal, note="; ".join(notes) or None
+    )

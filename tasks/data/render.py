@@ -26,6 +26,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sftflow.tasks.core.atomic import atomic_writer
+from sftflow.tasks.core.manifests import TemplateChoice
 from sftflow.tasks.data.chat_template import ChatTemplate, load_template
 from sftflow.tasks.data.formats import FORMATS, ROLES, Conversation, RecordError, detect_format, normalize_record
 from sftflow.tasks.data.records import RenderedDoc
@@ -370,6 +371,10 @@ def resolve_template(config: RenderConfig, tokenizer_path: str | Path | None = N
     if spec == "auto" and config.mask_policy == "roles":
         spec = None  # the roles policy needs no tags: the tokenizer's own template, as it is
     template = load_template(spec, tokenizer, tokenizer_name=str(tokenizer_path))
+    if spec != config.template:
+        template.choice = TemplateChoice(
+            name=template.name, how="auto", note="the tokenizer's own, as mask_policy roles needs no generation tags"
+        )
     if config.template_tokens:
         template.writes_tokens = tuple(dict.fromkeys(template.writes_tokens + config.template_tokens))
     elif config.template_tokens is None and tokenizer is not None and spec not in (None, "tokenizer", "auto"):

@@ -25,6 +25,7 @@ from sftflow.tasks.core.manifests import (
     DatasetIndex,
     PbinShard,
     RenderedShard,
+    TemplateChoice,
     TextScan,
     TokenizedShard,
     TokenizerRef,
@@ -158,21 +159,21 @@ def template_sha256(config: RenderConfig, tokenizer: TokenizerRef) -> str:
 
 def training_template(
     config: RenderConfig, tokenizer: TokenizerRef, work_dir: Path | None
-) -> tuple[str, str | None, str | None]:
+) -> tuple[str, str | None, str | None, TemplateChoice | None]:
     """The sha256 of the chat template the data is rendered with, given `work_dir` a copy of its text in
     `work_dir/templates/<sha>.jinja` (None for text without a template): what the export ships as the model's
-    chat template, so that inference renders conversations as training did; and the template's name (which one
-    `template: auto` chose, and why)."""
+    chat template, so that inference renders conversations as training did; the template's name (which one
+    `template: auto` chose, and why); and how it was chosen, which the train stage prints."""
     template = resolve_template(config, tokenizer.path)
     text = template.text if template is not None else ""
     sha = sha256_text(text)
-    name = template.name if template is not None else None
+    name, choice = (template.name, template.choice) if template is not None else (None, None)
     if work_dir is None or template is None:
-        return sha, None, name
+        return sha, None, name, choice
     path = Path(work_dir) / "templates" / f"{sha[:16]}.jinja"
     if not path.is_file():
         write_atomic(path, text)
-    return sha, str(path), name
+    return sha, str(path), name, choice
 
 
 # The four data stages share this module (their tasks), so each key covers all of data preparation's code.

@@ -15,6 +15,9 @@ at one instant (`fixed_clock`), so that a comparison across midnight still sees 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from jinja2.exceptions import TemplateError
 
 from sftflow.tasks.data.template_clock import fixed_clock
@@ -62,6 +65,7 @@ PROBES: list[tuple[list[dict], list[dict] | None]] = [
         _TOOLS,
     ),
 ]
+PROBE_NAMES = ("one turn", "a system message", "several turns", "surrounding whitespace", "a tool call")
 # Probes that must render with the tokenizer's template for a match to count (the plain conversations).
 _REQUIRED = 1
 
@@ -89,16 +93,46 @@ def _compared(official) -> list[tuple[int, list[dict], list[dict] | None]]:
     return [(i, m, t) for i, (m, t) in enumerate(PROBES) if not (t and "tool" not in official.text)]
 
 
+def _verdicts(official, tagged) -> Iterator[tuple[int, bool, bool]]:
+    """Per probe compared, lazily: (its index, whether both render the same text, whether the probe is alike: the
+    same, or refused by `tagged` where `official` drops the tool calls). Callers render under one `fixed_clock`."""
+    for i, messages, tools in _compared(official):
+        want, got = _text(official, messages, tools), _text(tagged, messages, tools)
+        if want is None and i < _REQUIRED:
+            yield i, False, False
+            continue
+        equal = want == got
+        yield i, equal, equal or (got is None and _refuses_what_is_dropped(official, tagged, messages, tools, want))
+
+
 def renders_alike(official, tagged) -> bool:
     """Whether `tagged` renders the probe conversations as `official` does (see the module docstring)."""
     with fixed_clock():
-        for i, messages, tools in _compared(official):
-            want, got = _text(official, messages, tools), _text(tagged, messages, tools)
-            if want is None and i < _REQUIRED:
-                return False
-            if want != got and not (got is None and _refuses_what_is_dropped(official, tagged, messages, tools, want)):
-                return False
-    return True
+        return all(alike for _, _, alike in _verdicts(official, tagged))
+
+
+@dataclass(frozen=True)
+class ProbeCount:
+    """How `tagged` compares with `official` on the probes: `compared` of them (the tool call only where `official`
+    mentions tools), `equal` rendered the same text, `alike` as `renders_alike` counts them; `differing`: the names
+    of those that are not equal."""
+
+    compared: int
+    equal: int
+    alike: int
+    differing: tuple[str, ...]
+
+
+def count_alike(official, tagged) -> ProbeCount:
+    """`renders_alike`, counted over every probe (it stops at the first that is not alike)."""
+    with fixed_clock():
+        verdicts = list(_verdicts(official, tagged))
+    return ProbeCount(
+        compared=len(verdicts),
+        equal=sum(equal for _, equal, _ in verdicts),
+        alike=sum(alike for _, _, alike in verdicts),
+        differing=tuple(PROBE_NAMES[i] for i, equal, _ in verdicts if not equal),
+    )
 
 
 def _refuses_what_is_dropped(official, tagged, messages, tools, want: str | None) -> bool:

@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sftflow.tasks.core.atomic import write_atomic
+from sftflow.tasks.core.manifests import TemplateChoice
 
 RUN_FORMAT_VERSION = 2  # 2: the train options in sections (optimizer, schedule, memory, checkpoint, metrics)
 # Everything a checkpoint holds; `init_from` may load any subset.
@@ -306,6 +307,9 @@ class TrainConfig(TrainOptions):
     plan: str = Field(description="folder holding plan.npz (sft-plan output)")
     tokenizer: str | None = Field(None, description="tokenizer folder copied into hf/ (default: the model's)")
     chat_template: str | None = Field(None, description="the training data's chat template (.jinja), for hf/")
+    template_choice: TemplateChoice | None = Field(
+        None, description="how the data stage chose that template (None: not recorded), for the run's first lines"
+    )
     out: str = Field(description="run directory")
 
     @property
@@ -314,11 +318,21 @@ class TrainConfig(TrainOptions):
 
 
 def run_config(
-    options: TrainOptions, *, data: str, plan: str, tokenizer: str | None, chat_template: str | None, out: str
+    options: TrainOptions,
+    *,
+    data: str,
+    plan: str,
+    tokenizer: str | None,
+    chat_template: str | None,
+    out: str,
+    template_choice: TemplateChoice | None = None,
 ) -> TrainConfig:
     """One run's `TrainConfig`: the options, and the data index, plan, tokenizer and template it reads and the folder
     it writes (`out`); the one place the train stage and the `sftflow train` command build it."""
-    return TrainConfig(**dict(options), data=data, plan=plan, tokenizer=tokenizer, chat_template=chat_template, out=out)
+    return TrainConfig(
+        **dict(options), data=data, plan=plan, tokenizer=tokenizer, chat_template=chat_template, out=out,
+        template_choice=template_choice,
+    )  # fmt: skip
 
 
 def write_run_json(config: TrainConfig, manifests: dict, path: Path, resolved: dict | None = None) -> None:

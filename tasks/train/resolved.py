@@ -324,10 +324,14 @@ def run_vocab_size(dataset_vocab: int | None, tokenizer_path: str | None) -> int
     return max(dataset_vocab or 0, len(AutoTokenizer.from_pretrained(tokenizer_path)))
 
 
-def template_choice(chat_template: str | None) -> Choice | None:
-    """The chat template the data stage rendered the data with, where the run was given it."""
+def template_choice(chat_template: str | None, chosen=None) -> Choice | None:
+    """The chat template the data stage rendered the data with, where the run was given it: its name and how the
+    data stage chose it (`chosen`, a `TemplateChoice`), or, where that was not recorded (data from before it was,
+    a bare index), the template file's name."""
     if chat_template is None:
         return None
+    if chosen is not None:
+        return Choice(chosen.name, chat_template, chosen.reason())
     from pathlib import Path
 
     name = Path(chat_template).name.removesuffix(".jinja")
@@ -352,7 +356,7 @@ def resolve_run(config, *, dataset_vocab: int | None = None, hardware: Hardware 
     check_micro_batches(config, micro_batches, plan.micro_batches_per_step, plan.num_ranks, world)
     return resolve(
         config, hardware, tokens_per_rank=plan.tokens_per_rank, micro_batches=micro_batches, vocab_size=vocab,
-        template=template_choice(config.chat_template),
+        template=template_choice(config.chat_template, config.template_choice),
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from prefect import task
 
 from sftflow.tasks.core.caching import StageCache, retry_unless_bad_input
-from sftflow.tasks.core.manifests import DatasetIndex, TokenizerRef, TrainResult
+from sftflow.tasks.core.manifests import DatasetIndex, TemplateChoice, TokenizerRef, TrainResult
 from sftflow.tasks.core.stage import stage_task
 from sftflow.tasks.plan.manifest import PlanManifest
 from sftflow.tasks.train import config as train_config
@@ -64,12 +64,13 @@ def run_config(
     options: TrainOptions,
     chat_template: str | None,
     out_dir: Path | str | None,
+    template_choice: TemplateChoice | None = None,
 ) -> TrainConfig:
     """One run's `TrainConfig`: the options, and the data, plan, tokenizer and template the earlier stages made
     (`out_dir` None: not written anywhere yet, for `resolve_train`)."""
     return train_config.run_config(
         options, data=str(index.dir), plan=str(plan.dir), tokenizer=tokenizer.path, chat_template=chat_template,
-        out=str(out_dir) if out_dir is not None else "",
+        out=str(out_dir) if out_dir is not None else "", template_choice=template_choice,
     )  # fmt: skip
 
 
@@ -79,12 +80,14 @@ def resolve_train(
     tokenizer: TokenizerRef,
     options: TrainOptions,
     chat_template: str | None,
+    template_choice: TemplateChoice | None = None,
 ) -> ResolvedRun:
     """Every `auto` of the run `train_stage_task` would launch, made concrete on this host's hardware
-    (`sftflow.tasks.train.resolved.resolve_run`), for the task's `resolved` and so its cache key."""
+    (`sftflow.tasks.train.resolved.resolve_run`), for the task's `resolved` and so its cache key. `template_choice`:
+    how the data stage chose `chat_template`, for the run's template line."""
     from sftflow.tasks.train.resolved import resolve_run
 
-    return resolve_run(run_config(index, plan, tokenizer, options, chat_template, None))
+    return resolve_run(run_config(index, plan, tokenizer, options, chat_template, None, template_choice))
 
 
 @task(name="train", retries=2, retry_delay_seconds=10)

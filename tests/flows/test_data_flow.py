@@ -44,6 +44,17 @@ def test_second_run_is_cached_and_edits_rerun_only_what_depends_on_them(demo, tm
     assert states == {"render": ["Completed"], "spans": ["Completed"], "pbin": ["Completed"], "index": ["Completed"]}
     first = state.result()
     assert first.index.num_train > 0
+    # How the template was chosen goes into data.json for the train stage; a data.json from before it was recorded
+    # still loads, without it.
+    from sftflow.flows.data import DataResult, load_data_result
+    from sftflow.flows.steps import data_inputs
+    from sftflow.tasks.core.manifests import TemplateChoice
+
+    assert first.template_choice == TemplateChoice(name="chat.jinja", how="file")
+    assert data_inputs(work)[2:] == (first.chat_template, first.template_choice)
+    assert load_data_result(work) == first
+    old = json.loads(first.model_dump_json(exclude={"template_choice"}))
+    assert DataResult.model_validate(old).template_choice is None
 
     state, states = _run(config, work)
     assert all(s == ["Cached"] for s in states.values()), states

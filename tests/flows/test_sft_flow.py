@@ -74,6 +74,10 @@ def test_first_run_completes_every_stage(first_run):
     # The gate ran last: an empty registry takes the first model as its champion.
     assert result.promotion.decision == "promoted" and result.promotion.champion == "v0001"
     assert Path(result.train.hf_dir, "config.json").is_file()
+    # The run's template line says how the data stage chose the template (the demo names chatml).
+    resolved = json.loads(Path(result.train.run_dir, "run.json").read_text())["resolved"]
+    assert resolved["template"]["value"] == "chatml"
+    assert resolved["template"]["reason"] == "named in data.render.template"
     # The export renders conversations as the training data was rendered: the template travels with it.
     from transformers import AutoTokenizer
 

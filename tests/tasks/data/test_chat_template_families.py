@@ -14,7 +14,7 @@ from jinja2.exceptions import TemplateError
 
 from sftflow.tasks.data.chat_template import builtin_template_text, load_template
 from sftflow.tasks.data.template_clock import fixed_clock
-from sftflow.tasks.data.template_match import PROBES, renders_alike
+from sftflow.tasks.data.template_match import PROBES, count_alike, renders_alike
 from tests.tasks.data.test_chat_template import _auto_pick, _tokenizer_with, _untagged
 
 DAY = datetime(2025, 2, 3, 23, 59, 59)
@@ -344,3 +344,42 @@ def test_a_tagged_template_may_refuse_only_the_tool_calls_the_official_one_drops
         load_template("tokenizer", _tokenizer_with(writing, _SMOL)),
         load_template("smollm3", _tokenizer_with("", _SMOL)),
     )
+
+
+def test_auto_counts_the_probes_its_choice_renders_as_the_tokenizer_s_own():
+    """`count_alike` counts what `renders_alike` decides: a tagged template equal on every probe, and one equal on
+    all but the tool probe, which it refuses where the official one drops the call; `auto` records the counts."""
+    own = load_template("tokenizer", _tokenizer_with(_untagged("chatml"), {}))
+    counts = count_alike(own, load_template("chatml"))
+    assert "tool" in own.text and counts.compared == len(PROBES)
+    assert counts.equal == counts.alike == counts.compared and counts.differing == ()
+    chosen = load_template("auto", _tokenizer_with(_untagged("chatml"), {})).choice
+    assert (chosen.name, chosen.how, chosen.probes, chosen.equal, chosen.note) == ("chatml", "auto", 5, 5, None)
+    assert chosen.reason() == "auto, equal to the tokenizer's own on 5/5 probes"
+
+    # SmolLM3's own template writes an assistant turn with tool calls as if they were not there; ours refuses them.
+    official = re.sub(r'\{\{- raise_exception\("[^"]*drops tool calls[^"]*"\) -\}\}', "", _untagged("smollm3"))
+    assert official != _untagged("smollm3")
+    dropping = load_template("tokenizer", _tokenizer_with(official, _SMOL))
+    counts = count_alike(dropping, load_template("smollm3", _tokenizer_with("", _SMOL)))
+    assert (counts.compared, counts.equal, counts.alike, counts.differing) == (5, 4, 5, ("a tool call",))
+    chosen = load_template("auto", _tokenizer_with(official, _SMOL)).choice
+    assert (chosen.name, chosen.probes, chosen.equal) == ("smollm3", 5, 4)
+    assert chosen.reason().startswith("auto, equal to the tokenizer's own on 4/5 probes; ")
+    assert chosen.note == "not on a tool call: the tokenizer's own drops its tool calls, smollm3 refuses them"
+    # A template the matcher turns down counts fewer probes alike than it compares.
+    odd = load_template("tokenizer", _tokenizer_with(_untagged("chatml").replace("<|im_end|>", "<|end|>"), {}))
+    counts = count_alike(odd, load_template("chatml"))
+    assert counts.alike < counts.compared and not renders_alike(odd, load_template("chatml"))
+
+
+def test_the_template_records_how_it_was_chosen(tmp_path):
+    mine = tmp_path / "my.jinja"
+    mine.write_text(builtin_template_text("chatml"))
+    tokenizer = _tokenizer_with(_untagged("chatml"), {})
+    assert load_template(str(mine), tokenizer).choice.reason() == "given in data.render.template"
+    assert load_template(str(mine), tokenizer).choice.name == "my.jinja"
+    assert load_template("chatml", tokenizer).choice.reason() == "named in data.render.template"
+    assert load_template("tokenizer", tokenizer).choice.how == "tokenizer"
+    tagged = load_template("auto", _tokenizer_with(builtin_template_text("chatml"), {})).choice
+    assert (tagged.how, tagged.probes) == ("auto", None) and "generation tags" in tagged.reason()

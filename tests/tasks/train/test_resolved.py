@@ -4,6 +4,7 @@ before the resolution moved to launch (`worker_choices` below is that chain, kep
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,36 @@ def test_rows_are_planned_without_the_choices_the_launch_may_still_make():
     assert planned_memory(full, 1) == ("single", "full", 0.5, True)
     eager = TrainOptions(memory=dict(activation_checkpointing=4, activation_memory_budget=0.5, compile="off"))
     assert planned_memory(eager, 1) == ("single", 4, 1.0, False)
+
+
+def test_the_template_line_says_how_the_data_stage_chose_the_template(tmp_path, shared_data, tiny_tokenizer_dir):
+    """`template: auto` on a real tokenizer: the data stage records the built-in template it chose and on how many
+    probes it renders as the tokenizer's own; the run prints both. A run given only the template's file (a result
+    from before it was recorded) prints the file's name as before, and a bare index no template line."""
+    from sftflow.tasks.core.manifests import TokenizerRef
+    from sftflow.tasks.data.render import RenderConfig
+    from sftflow.tasks.data.stage import training_template
+    from sftflow.tasks.plan.config import PlanConfig
+    from sftflow.tasks.train.resolved import resolve_run
+    from tests.tasks.train_helpers import planned_mock
+
+    folder = shared_data / "tokenizers" / "smollm2-135m-chatml"
+    _, template_file, _, chosen = training_template(
+        RenderConfig(template="auto"), TokenizerRef(path=str(folder), sha256=""), tmp_path / "work"
+    )
+    assert (chosen.name, chosen.how, chosen.probes, chosen.equal) == ("chatml", "auto", 4, 4)
+    base, _, _ = planned_mock(tmp_path, 400, tiny_tokenizer_dir, PlanConfig(num_ranks=1, tokens_per_rank=64))
+    # As `sftflow train` and the train stage hand it over: the data result's template and how it was chosen.
+    config = cfg.TrainConfig.model_validate(
+        {**base.model_dump(), "chat_template": template_file, "template_choice": chosen.model_dump()}
+    )
+    back = cfg.TrainConfig.model_validate_json(config.model_dump_json())  # as run.json carries it to the workers
+    assert back.template_choice == chosen
+    table = resolve_run(config, hardware=CPU).table()
+    assert "template: chatml (auto, equal to the tokenizer's own on 4/4 probes)" in table
+
+    unrecorded = resolve_run(config.model_copy(update={"template_choice": None}), hardware=CPU).table()
+    stem = Path(template_file).name.removesuffix(".jinja")
+    assert f"template: {stem} (the template the data was rendered with)" in unrecorded
+    bare = resolve_run(config.model_copy(update={"template_choice": None, "chat_template": None}), hardware=CPU)
+    assert not any(line.startswith("template:") for line in bare.table())
