@@ -16,9 +16,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 from pydantic_core import PydanticUndefined
-from typer.core import TyperCommand
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Supervised fine-tuning as a Prefect pipeline.")
+from typer.core import TyperCommand, TyperGroup
 
 # One word for what an option takes, in place of a type tag: a flag takes nothing, choices are listed instead.
 _METAVARS = {"path": "PATH", "int": "N", "float": "X", "str": "TEXT"}
@@ -88,6 +86,27 @@ class _Command(TyperCommand):
         if option is not None:
             option.metavar = ""
         return option
+
+
+class _Group(TyperGroup):
+    """`sftflow --help`: its options (`--debug`, `--help`) are flags, shown alone as in each command's help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.param_type_name == "option" and param.is_flag:
+                param.metavar = ""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+app = typer.Typer(
+    cls=_Group, add_completion=False, no_args_is_help=True, help="Supervised fine-tuning as a Prefect pipeline."
+)
 
 
 def _option(key: str, *names: str, help: str | None = None) -> Any:

@@ -233,6 +233,13 @@ def test_help_shows_what_options_take_not_their_types():
     assert "ephemeral" not in run_help and "PREFECT_API_URL's server when set, else a local server" in run_help
 
 
+def test_top_level_help_shows_no_type_tags_on_flags():
+    """`sftflow --help`: its flags (--debug, --help) take no value, so their lines show no `<bool>`."""
+    result = invoke("--help")
+    assert result.exit_code == 0, result.output
+    assert "--debug" in result.output and "<bool>" not in result.output
+
+
 def test_data_keeps_the_documented_command_line(tmp_path):
     """`sftflow data --source --tokenizer [--template] [--format] [--mask-policy] [--bos] [--eos] [--max-length]
     [--on-bad-record] --out`: scripts depend on these flags; each sets its config field."""
