@@ -4,6 +4,7 @@ A writer killed mid-write (SIGKILL, a lost node) leaves its temporary file (`.na
 `sftflow.tasks.core.atomic`), which nothing else would ever remove: a 7 MB `.rendered.jsonl…tmp` stays forever.
 The next run of the stage that owns the folder removes the ones whose writer is gone: written on this host by a
 PID that no longer runs. A temporary file of another host, or of a live process (a concurrent writer), is left.
+The top of a work folder (a killed write of `data.json` or `plan.json`) is swept by the next flow that takes it.
 
 Every removal goes through `remove`, which deletes a symbolic link itself, never what it points to: a `step-N` or
 a temporary name that is a link to a folder elsewhere loses the link, and the folder stays.
@@ -36,12 +37,19 @@ def is_stale(path: Path) -> bool:
     return writer is not None and writer[0] == socket.gethostname() and not process_alive(writer[1])
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
+def remove_stale_temporaries(folder: Path, *, top_only: bool = False) -> list[Path]:
     """Remove the stale temporary files and folders (`is_stale`) under `folder`, at any depth, without descending
-    into linked folders. Returns what was removed."""
+    into linked folders; with `top_only`, only those directly in `folder` (a work folder, whose stage folders are
+    each swept by their own stage). Returns what was removed."""
     removed = []
     folder = Path(folder)
     if not folder.is_dir() or folder.is_symlink():
+        return removed
+    if top_only:
+        for path in sorted(folder.iterdir()):
+            if is_stale(path):
+                remove(path)
+                removed.append(path)
         return removed
     for root, dirs, files in os.walk(folder):  # followlinks=False: a linked folder is listed, never entered
         for name in [*files, *dirs]:

@@ -51,6 +51,35 @@ def test_only_the_temporaries_of_gone_writers_on_this_host_are_removed(tmp_path)
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, elsewhere.name, finished.name])
 
 
+def test_taking_the_work_dir_removes_the_top_level_temporaries_of_gone_writers(tmp_path):
+    """A write of `data.json` or `plan.json` killed at the top of the work folder: the next flow that takes the
+    folder removes its temporary; a live writer's, another host's, other files and the stage folders stay."""
+    from sftflow.flows.results import work_dir_lock
+
+    work = tmp_path / "work"
+    stage = work / "render" / "key"
+    stage.mkdir(parents=True)
+    dead_data = killed_writer_leftover(work / "data.json")
+    killed_plan = killed_writer_leftover(tmp_path / "aside" / "plan.json")  # another killed writer, moved in
+    dead_plan = killed_plan.rename(work / killed_plan.name)
+    live = work / f".plan.json~{socket.gethostname()}~{os.getpid()}~abc.tmp"
+    live.write_text("being written")
+    elsewhere = work / ".data.json~another-host~1~abc.tmp"
+    elsewhere.write_text("theirs")
+    hidden = work / ".notes.tmp"  # hidden and .tmp, but not a tagged name: not sftflow's to remove
+    hidden.write_text("mine")
+    below = stage / f".rendered.jsonl~{socket.gethostname()}~{dead_data.name.split('~')[2]}~abc.tmp"
+    below.write_text("left to the stage that owns this folder")
+    (work / "data.json").write_text("{}")
+
+    with work_dir_lock(work):
+        pass
+
+    assert not dead_data.exists() and not dead_plan.exists()
+    assert live.exists() and elsewhere.exists() and hidden.exists() and below.exists()
+    assert (work / "data.json").read_text() == "{}"
+
+
 def test_a_stale_temporary_that_is_a_link_loses_the_link_not_its_target(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
