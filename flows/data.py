@@ -112,10 +112,12 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def api_for_workers(config: DataConfig):
     """Point task runs in other processes (process pool, Dask workers) at this flow's Prefect API.
 
-    Task runners ship the flow's settings with every task run. With no `PREFECT_API_URL` set, Prefect runs an
-    ephemeral API server in a subprocess of the flow; without its address, each worker process would start another
-    ephemeral server of its own (slow, and several servers on one SQLite database). Workers of a remote Dask cluster
-    cannot reach that local server at all: run a Prefect server and set `PREFECT_API_URL` for them.
+    Task runners ship the flow's settings with every task run. The sftflow commands always set `PREFECT_API_URL` (the
+    user's server, or the local server they start or reuse, `sftflow.flows.local_api`), and nothing here changes. A
+    flow called from Python with no `PREFECT_API_URL` runs on Prefect's own temporary API server in a subprocess of
+    the flow; without its address, each worker process would start another temporary server of its own (slow, and
+    several servers on one SQLite database). Workers of a remote Dask cluster cannot reach that server at all: run a
+    Prefect server and set `PREFECT_API_URL` for them.
     """
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -126,8 +128,9 @@ def api_for_workers(config: DataConfig):
     address = config.dask_address
     if address and urlsplit(address if "://" in address else f"tcp://{address}").hostname not in _LOOPBACK:
         raise ValueError(
-            f"dask_address {config.dask_address}: workers on other hosts cannot reach this flow's ephemeral Prefect "
-            "API; start a Prefect server (`prefect server start`) and set PREFECT_API_URL for the flow and workers"
+            f"dask_address {config.dask_address}: workers on other hosts cannot reach this flow's Prefect API "
+            "(Prefect's temporary server on this machine, as no PREFECT_API_URL is set); start a Prefect server "
+            "(`prefect server start`) and set PREFECT_API_URL for the flow and workers"
         )
     with get_client(sync_client=True) as client:
         api_url = str(client.api_url)

@@ -130,7 +130,8 @@ sft_data(config=SFTConfig(work_dir=sys.argv[2], data=config))
 
 @pytest.mark.slow
 def test_dask_workers_reach_the_flows_ephemeral_api(dataset, threads_run, tmp_path):
-    """`sftflow data` without a Prefect server: the workers must use the flow's ephemeral API, not start their own."""
+    """The data flow called from Python with no Prefect API set runs on Prefect's temporary (ephemeral) server: the
+    workers must use the flow's, not start their own."""
     config = DataConfig(
         sources=[str(dataset["data"])],
         tokenizer=str(dataset["tokenizer"]),
@@ -181,6 +182,9 @@ def test_remote_dask_address_without_a_prefect_server_is_refused():
 
     config = DataConfig(sources=["x.jsonl"], tokenizer="t", task_runner="dask", dask_address="tcp://10.1.2.3:8786")
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
-        with pytest.raises(ValueError, match="10.1.2.3:8786.*PREFECT_API_URL"):
+        with pytest.raises(ValueError, match="10.1.2.3:8786.*PREFECT_API_URL") as refused:
             with api_for_workers(config):
                 pass
+    # which API that is, as it is now: Prefect's temporary server of a flow called from Python (commands always set
+    # PREFECT_API_URL, to the user's server or sftflow's local one)
+    assert "Prefect's temporary server" in str(refused.value) and "ephemeral" not in str(refused.value)
