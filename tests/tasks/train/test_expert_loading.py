@@ -20,7 +20,12 @@ import torch
 
 from sftflow.tasks.train.model import build_training_model
 from sftflow.tasks.train.weights import StackedExperts, checkpoint_sources, materialize
-from tests.tasks.family_configs import family_config
+
+if __package__:  # collected by pytest
+    from tests.tasks.family_configs import family_config
+else:  # a torchrun worker runs this file as a script: the shared helpers sit one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from family_configs import family_config
 
 VOCAB = 101
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
