@@ -7,8 +7,10 @@
 #
 # STEPs (default: all, in this order): tests_fa4 train_16k train_32k_long attention_packed attention_long
 # tests_families train_32k_long_triton tests_gpu_other; also train_64k_long (64k rows against the peer with
-# checkpointing), train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100) and
-# tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
+# checkpointing), train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100),
+# train_8b_full_16k and train_8b_full_16k_dac (8B full fine-tuning, which needs an H200: sftflow with 26 of 32 layers
+# checkpointed, what `activation_checkpointing: auto` picks there, and with all of them, against the FSDP peer with
+# FA4 and gradient checkpointing) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
@@ -56,6 +58,10 @@ for s in $STEPS; do
     train_32k_long) step "$s" 590 $TT --modes D,Cn@fa4 --steps 100 $LONG32 --out "$LOG/$s" ;;
     train_64k_long) step "$s" 590 $TT --modes D,Cnac@fa4 --steps 100 --profile-steps 0 $LONG64 --out "$LOG/$s" ;;
     train_8b_lora_16k) step "$s" 590 $TT --preset llama8b --modes L,Lpac@fa4 --steps 100 --compile-warmup 6 --warmup 3 \
+      --profile-steps 0 --out "$LOG/$s" ;;
+    train_8b_full_16k) step "$s" 590 $TT --preset llama8b --modes D26,Cac@fa4 --steps 100 --compile-warmup 6 \
+      --warmup 3 --profile-steps 0 --out "$LOG/$s" ;;
+    train_8b_full_16k_dac) step "$s" 400 $TT --preset llama8b --modes Dac --steps 100 --compile-warmup 6 --warmup 3 \
       --profile-steps 0 --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;

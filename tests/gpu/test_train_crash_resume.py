@@ -76,6 +76,18 @@ def test_a_gpu_run_crashes_resumes_and_exports(tmp_path, inject_crash, nproc):
     result = train(config, resume=True)
 
     assert result.steps == STEPS
+    # Every `auto` was resolved once, at launch, for this GPU: the worker ran what run.json says.
+    from sftflow.kernels.attention_fa4 import unavailable_reason
+    from sftflow.tasks.train.resolved import read_resolved
+
+    resolved = read_resolved(tmp_path / "run")
+    print("[resolved] " + " | ".join(resolved.table()), flush=True)
+    assert resolved.device == "cuda" and resolved.hardware.count == nproc
+    assert resolved.parallel.value == ("single" if nproc == 1 else "fsdp")
+    assert resolved.compile.value is True and resolved.dtype.value == "bf16"
+    assert resolved.tokens_per_rank.value == ROW
+    fa4 = unavailable_reason(torch.device("cuda"), torch.bfloat16) is None  # head dim 64 is one it takes
+    assert resolved.attention.value == ("flash_attn_4" if fa4 else "triton"), resolved.attention
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in records)
