@@ -72,8 +72,8 @@ def head_dim_reason(head_dim: int, device: torch.device, capability: tuple[int, 
     if major in (10, 11) and not (head_dim <= 128 or head_dim == 256):
         return f"FlashAttention-4 on sm_{major}x takes head dims up to 128, or 256, got {head_dim}"
     if major == 9 and head_dim == 256 and deterministic():
-        # H100, fwd+bwd: 3.20 ms against Triton's 2.89 on a packed 16k row, 170 against 158 ms on a 64k row of long
-        # documents; without the deterministic mode 2.63 and 118 ms, faster than Triton.
+        # The fixed-order dQ sums cost most at the largest head dim: there the Triton kernels win on packed and long
+        # rows alike (benchmarks/results/attention.jsonl), and the nondeterministic mode wins over both.
         return (
             "FlashAttention-4's deterministic backward at head dim 256 runs slower than the Triton kernels on sm_90 "
             "(SFTFLOW_FA4_DETERMINISTIC=0 takes FlashAttention-4, summing in no fixed order)"
