@@ -22,7 +22,7 @@ STEPS=${*:-tests_fa4 train_16k train_32k_long attention_packed attention_long te
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$LOG/../fa4-cache}
-TT="python3 benchmarks/train_throughput.py --preset llama1b --compile-warmup 8 --warmup 4 --profile-steps 3"
+TT="python3 benchmarks/train_throughput.py --preset llama1b --compile-warmup 8 --warmup 4 --profile-steps 3 --jsonl $LOG/rows.jsonl"
 LONG32="--row-tokens 32768 --median-length 16384 --min-length 4096 --max-length 32768"
 LONG64="--row-tokens 65536 --median-length 16384 --min-length 4096 --max-length 65536"
 ATT="python3 benchmarks/attention.py --variants flash_attn_4 fa4-nondet fa4-direct triton torch"
