@@ -10,7 +10,9 @@
 # checkpointing), train_8b_lora_16k (8B LoRA against peft with checkpointing, which it needs to fit an H100),
 # train_8b_full_16k and train_8b_full_16k_dac (8B full fine-tuning, which needs an H200: sftflow with 26 of 32 layers
 # checkpointed, what `activation_checkpointing: auto` picks there, and with all of them, against the FSDP peer with
-# FA4 and gradient checkpointing) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
+# FA4 and gradient checkpointing), workload_8b_16k (the same 8B run as a user runs it, `sftflow plan` and
+# `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
+# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
@@ -63,6 +65,11 @@ for s in $STEPS; do
       --warmup 3 --profile-steps 0 --out "$LOG/$s" ;;
     train_8b_full_16k_dac) step "$s" 400 $TT --preset llama8b --modes Dac --steps 100 --compile-warmup 6 --warmup 3 \
       --profile-steps 0 --out "$LOG/$s" ;;
+    workload_8b_16k) step "$s" 590 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 \
+      --baseline Cac@fa4 --work /tmp/wl8b --out "$LOG/$s" ;;
+    workload_8b_16k_inbwd) step "$s" 420 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 \
+      --set train.optimizer.in_backward=true --set train.optimizer.grad_clip=null --set train.optimizer.offload=8 \
+      --work /tmp/wl8b-inbwd --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
