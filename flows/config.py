@@ -23,7 +23,7 @@ from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
 from sftflow.tasks.plan.config import PlanConfig, SourceAmount, SourceShare
 from sftflow.tasks.track.config import TrackConfig
-from sftflow.tasks.train.config import TrainOptions
+from sftflow.tasks.train.config import TrainOptions, check_one_micro_batch
 
 
 class SourceSpec(SourceAmount):
@@ -150,12 +150,11 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
-        if self.train.optimizer.in_backward and self.accumulates():
-            raise ValueError(
-                "train.optimizer.in_backward steps each parameter in the backward of one micro-batch; the plan adds "
-                "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
-                "training processes): plan one a step"
-            )
+        facts = (
+            "the plan adds up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above "
+            "the training processes)"
+        )
+        check_one_micro_batch(self.train.optimizer, self.accumulates(), facts)
         return self
 
     @model_validator(mode="after")
