@@ -170,8 +170,9 @@ def reference(model: type[BaseModel] | None = None) -> str:
         "",
         "Generated from the field descriptions of `sftflow.flows.config.SFTConfig`; regenerate it with",
         f"`{REGENERATE}`.",
-        "Every key can be set in the YAML config or with `--set KEY=VALUE` on any command",
-        "(`--set train.optimizer.lr=1e-5`).",
+        "Every key can be set in the YAML config, with `--set KEY=VALUE` on any command",
+        "(`--set train.optimizer.lr=1e-5`), or in a flow's `overrides`",
+        "(`-p overrides='{\"train.optimizer.lr\": 1e-5}'`, see [Deployments](../deployments.md#parameters)).",
         "A section whose default is `(section)` has its own table below; `key[]` is an item of a list.",
     ]
     for key, sub in sections(model):
