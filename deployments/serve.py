@@ -6,9 +6,10 @@
     prefect deployment run sft/full --watch
 
 `SFTFLOW_CONFIG` picks the config file the deployments use by default (default: deployments/configs/demo.yaml);
-any run can pass another with `-p config_path=...`. `SFTFLOW_REFRESH_CRON` sets the data refresh schedule;
-`SFTFLOW_REFRESH_THEN=promote` (or `train`) moves it onto `sft-refresh/chain`, which trains, evaluates and runs the
-promotion gate on the nights the data changed.
+any run can pass another with `-p config_path=...`, and set any config field with
+`-p overrides='{"train.optimizer.lr": 1e-5}'` (dotted keys, as `sftflow --set` takes them). `SFTFLOW_REFRESH_CRON`
+sets the data refresh schedule; `SFTFLOW_REFRESH_THEN=promote` (or `train`) moves it onto `sft-refresh/chain`, which
+trains, evaluates and runs the promotion gate on the nights the data changed.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ promotion gate reads."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -23,13 +24,14 @@ from sftflow.tasks.eval.bench_stage import bench_task
 def sft_bench(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     force: bool = False,
     data: DataResult | None = None,
     train: TrainResult | None = None,
 ) -> BenchReport:
     """Score the tuned model (and the base) on the benchmark tasks. Inputs default to the work folder's latest
     results; the prompts use the chat template the data was rendered with."""
-    cfg = resolve_config(config_path, config)
+    cfg = resolve_config(config_path, config, overrides)
     bench = bench_config(cfg)
     if not bench.enabled:
         raise ValueError("config: `bench` names no tasks; add bench.tasks (local JSONL files) to run sft-bench")

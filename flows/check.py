@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from prefect import flow
@@ -92,13 +93,15 @@ def run_checks(cfg: SFTConfig) -> CheckReport:
 
 
 @flow(name="sft-check", log_prints=True)
-def sft_check(config_path: str | None = None, config: SFTConfig | None = None) -> CheckReport:
+def sft_check(
+    config_path: str | None = None, config: SFTConfig | None = None, overrides: dict[str, Any] | None = None
+) -> CheckReport:
     """Check the data's tokens and masks against Hugging Face, the first training step against Hugging Face's eager
     forward, 2 ranks against 1 and a killed and resumed run against an unbroken one, on a sample of the data and the
     configured model; fail when a check fails."""
     from prefect.artifacts import create_markdown_artifact
 
-    report = run_checks(resolve_config(config_path, config))
+    report = run_checks(resolve_config(config_path, config, overrides))
     print(report.table())
     create_markdown_artifact(report.markdown(), key="sft-check", description="sft-check: correctness checks")
     if not report.passed:

@@ -23,7 +23,7 @@ from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
 from sftflow.tasks.plan.config import PlanConfig, SourceAmount, SourceShare
 from sftflow.tasks.track.config import TrackConfig
-from sftflow.tasks.train.config import TrainOptions
+from sftflow.tasks.train.config import TrainOptions, check_one_micro_batch
 
 
 class SourceSpec(SourceAmount):
@@ -150,12 +150,11 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_micro_batch_when_stepping_in_backward(self) -> SFTConfig:
-        if self.train.optimizer.in_backward and self.accumulates():
-            raise ValueError(
-                "train.optimizer.in_backward steps each parameter in the backward of one micro-batch; the plan adds "
-                "up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above the "
-                "training processes): plan one a step"
-            )
+        facts = (
+            "the plan adds up several a step (plan.micro_batches_per_step, target_tokens_per_step, or num_ranks above "
+            "the training processes)"
+        )
+        check_one_micro_batch(self.train.optimizer, self.accumulates(), facts)
         return self
 
     @model_validator(mode="after")
@@ -246,11 +245,16 @@ def parse_assignments(assignments: list[str]) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None, default: dict | None = None
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    default: dict | None = None,
+    given_by: str = "command line (--set or an option)",
 ) -> SFTConfig:
-    """The run config a command works on: the YAML file at `path` (or `default`, or every field's default), with
-    `overrides` (`{"train.optimizer.lr": 1e-4}`) applied before it is validated, so an override is checked, and a
-    misspelt key named, exactly as the file's own keys are."""
+    """The run config a command or flow works on: the YAML file at `path` (or `default`, or every field's default),
+    with `overrides` (`{"train.optimizer.lr": 1e-4}`) applied before it is validated, so an override is checked, and
+    a misspelt key named, exactly as the file's own keys are. The one place a config is overridden: the CLI's `--set`
+    and options and the flows' `overrides` (`resolve_config`) all come here. `given_by`: what an error blames for a
+    bad override."""
     raw = read_config_file(path) if path is not None else copy.deepcopy(default or {})
     for key, value in (overrides or {}).items():
         *parents, name = key.split(".")
@@ -266,23 +270,23 @@ def load_config(
     try:
         return SFTConfig.model_validate(raw)
     except ValidationError as err:
-        raise ValueError(_blame(err, path, set(overrides or {}))) from None
+        raise ValueError(_blame(err, path, set(overrides or {}), given_by)) from None
 
 
-def _blame(err: ValidationError, path, override_keys: set[str]) -> str:
-    """The problems of a config, each under what set the key: the command line (`--set` and a command's options)
-    or the file, so a typo in `--set` is not reported as the file's."""
+def _blame(err: ValidationError, path, override_keys: set[str], given_by: str) -> str:
+    """The problems of a config, each under what set the key: the overrides (`given_by`: the command line's `--set`
+    and options, or a flow's `overrides`) or the file, so a typo in `--set` is not reported as the file's."""
 
-    def from_command_line(error) -> bool:
+    def overridden(error) -> bool:
         where = ".".join(str(part) for part in error["loc"])
         return any(where == key or where.startswith(f"{key}.") for key in override_keys)
 
     errors = err.errors()
-    given = [e for e in errors if from_command_line(e)]
-    written = [e for e in errors if not from_command_line(e)]
+    given = [e for e in errors if overridden(e)]
+    written = [e for e in errors if not overridden(e)]
     parts = []
     if given:
-        parts.append(f"command line (--set or an option): {explain_errors(given, SFTConfig)}")
+        parts.append(f"{given_by}: {explain_errors(given, SFTConfig)}")
     if written:
         parts.append(f"{path or 'config'}: {explain_errors(written, SFTConfig)}")
     return "; ".join(parts)
@@ -371,28 +375,36 @@ def _relative_to(config_path: Path, value: str) -> Path:
     return v if v.is_absolute() else (config_path.parent / v).resolve()
 
 
+# The flows' flat parameters (`prefect deployment run sft/full -p learning_rate=1e-5`), each a shorthand of one
+# config key: merged into the flow's `overrides`, never applied on their own.
+SHORTHANDS = {"learning_rate": "train.optimizer.lr", "max_steps": "train.max_steps", "epochs": "plan.epochs"}
+
+
+def with_shorthands(overrides: dict[str, Any] | None, **shorthands: Any) -> dict[str, Any]:
+    """`overrides` (dotted keys) with the shorthand parameters given (`learning_rate=1e-5`, see `SHORTHANDS`) added
+    under their keys; a shorthand and an override of the same key is refused rather than one silently winning."""
+    merged = dict(overrides or {})
+    for name, value in shorthands.items():
+        if value is None:
+            continue
+        key = SHORTHANDS[name]
+        if key in merged:
+            raise ValueError(f"{name} and overrides[{key!r}] both set {key}; give one of them")
+        merged[key] = value
+    return merged
+
+
 def resolve_config(
-    config_path: str | None,
-    config: SFTConfig | None,
-    learning_rate: float | None = None,
-    max_steps: int | None = None,
-    epochs: int | None = None,
+    config_path: str | None, config: SFTConfig | None, overrides: dict[str, Any] | None = None
 ) -> SFTConfig:
-    """One config from a YAML path or an inline object, with flat overrides (deployment `-p` friendly)."""
+    """A flow's config: a YAML path or an inline object, with `overrides` (`{"train.optimizer.lr": 1e-5}`, the
+    flow's shorthands merged in by `with_shorthands`) applied as the CLI's `--set` is (`load_config`)."""
     if (config_path is None) == (config is None):
         raise ValueError("give exactly one of config_path (a YAML file) or config (inline)")
-    cfg = SFTConfig.from_yaml(config_path) if config_path else config
-    if learning_rate is None and max_steps is None and epochs is None:
-        return cfg
-    train = cfg.train.model_dump()
-    if learning_rate is not None:
-        train["optimizer"]["lr"] = learning_rate
-    if max_steps is not None:
-        train["max_steps"] = max_steps
-    plan = cfg.plan.model_dump()
-    if epochs is not None:
-        plan["epochs"] = epochs
-    return SFTConfig.model_validate({**cfg.model_dump(), "train": train, "plan": plan})
+    if not overrides:
+        return SFTConfig.from_yaml(config_path) if config_path else config
+    default = None if config_path else config.model_dump()
+    return load_config(config_path, overrides, default=default, given_by="overrides")
 
 
 def data_config(cfg: SFTConfig) -> DataConfig:

@@ -26,10 +26,19 @@ def _is_model(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
+def _constraints(metadata: list[Any]) -> list[Any]:
+    """The constraints of `metadata`, with a `Field(...)` opened: `Annotated[int, Field(ge=1)]` inside a union keeps
+    the `FieldInfo` itself as its metadata (pydantic opens it only at the top of a field), its bounds inside."""
+    found = []
+    for item in metadata:
+        found.extend(_constraints(item.metadata) if isinstance(item, FieldInfo) else [item])
+    return found
+
+
 def _bounds(metadata: list[Any]) -> str:
     """` ≥ 1`, ` > 0, ≤ 1`, ... from a field's or an `Annotated` type's constraints."""
     found = []
-    for item in metadata:
+    for item in _constraints(metadata):
         for name, sign in _BOUNDS.items():
             value = getattr(item, name, None)
             if value is not None:
@@ -161,8 +170,9 @@ def reference(model: type[BaseModel] | None = None) -> str:
         "",
         "Generated from the field descriptions of `sftflow.flows.config.SFTConfig`; regenerate it with",
         f"`{REGENERATE}`.",
-        "Every key can be set in the YAML config or with `--set KEY=VALUE` on any command",
-        "(`--set train.optimizer.lr=1e-5`).",
+        "Every key can be set in the YAML config, with `--set KEY=VALUE` on any command",
+        "(`--set train.optimizer.lr=1e-5`), or in a flow's `overrides`",
+        "(`-p overrides='{\"train.optimizer.lr\": 1e-5}'`, see [Deployments](../deployments.md#parameters)).",
         "A section whose default is `(section)` has its own table below; `key[]` is an item of a list.",
     ]
     for key, sub in sections(model):

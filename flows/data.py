@@ -7,6 +7,7 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from prefect import flow, get_run_logger, unmapped
@@ -139,14 +140,19 @@ def api_for_workers(config: DataConfig):
 
 
 @flow(name="sft-data", log_prints=True)
-def sft_data(config_path: str | None = None, config: SFTConfig | None = None, force: bool = False) -> DataResult:
+def sft_data(
+    config_path: str | None = None,
+    config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+    force: bool = False,
+) -> DataResult:
     """Render, tokenize and pack every source into pbin shards, then build the dataset index.
 
     A rerun with unchanged sources, template, tokenizer and options is Cached task by task, which makes this flow a
     cheap no-op on a schedule when nothing changed.
     """
     logger = get_run_logger()
-    cfg = resolve_config(config_path, config)
+    cfg = resolve_config(config_path, config, overrides)
     work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     with work_dir_lock(work):

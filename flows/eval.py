@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -31,12 +32,13 @@ def base_model(cfg: SFTConfig) -> ModelRef:
 def sft_eval(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     force: bool = False,
     data: DataResult | None = None,
     train: TrainResult | None = None,
 ) -> EvalReport:
     """Evaluate the tuned model (and the base, side by side). Inputs default to the work folder's latest results."""
-    cfg = resolve_config(config_path, config)
+    cfg = resolve_config(config_path, config, overrides)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)

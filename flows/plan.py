@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 
-from sftflow.flows.config import SFTConfig, plan_config, resolve_config
+from sftflow.flows.config import SFTConfig, plan_config, resolve_config, with_shorthands
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.plan.manifest import PlanManifest
@@ -17,12 +18,15 @@ from sftflow.tasks.plan.stage import plan_task
 def sft_plan(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     epochs: int | None = None,
     force: bool = False,
     data: DataResult | None = None,
 ) -> PlanManifest:
-    """Plan the train split. `data` defaults to the work folder's latest `sft-data` result."""
-    cfg = resolve_config(config_path, config, epochs=epochs)
+    """Plan the train split. `overrides` sets config fields by dotted key (`{"plan.tokens_per_rank": 4096}`), as the
+    CLI's `--set` does; `epochs` is a shorthand of `plan.epochs`. `data` defaults to the work folder's latest
+    `sft-data` result."""
+    cfg = resolve_config(config_path, config, with_shorthands(overrides, epochs=epochs))
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)

@@ -5,6 +5,7 @@ if it wins by `promote` in the config (`sftflow.tasks.eval.promotion`). The repo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 
@@ -52,6 +53,7 @@ def promote_task(
 def sft_promote(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     data: DataResult | None = None,
     train: TrainResult | None = None,
     bench: BenchReport | None = None,
@@ -59,7 +61,7 @@ def sft_promote(
     """Promote the latest trained model if it beats the champion. Inputs default to the work folder's latest results
     (`bench`: read where the config has benchmark rules); the registry is `promote.registry` (default
     `<work_dir>/registry`)."""
-    cfg = resolve_config(config_path, config)
+    cfg = resolve_config(config_path, config, overrides)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         data = data or load_data_result(work)

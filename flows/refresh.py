@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
@@ -45,11 +45,12 @@ def last_chained(work: Path) -> dict:
 def sft_refresh(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     then: Literal["train", "promote"] = "promote",
 ) -> RefreshResult:
     """Refresh the data; if the index changed since the last chained run, run `sft` (with the gate for
     `then="promote"`)."""
-    cfg = resolve_config(config_path, config)
+    cfg = resolve_config(config_path, config, overrides)
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work):
         return _refresh(cfg, work, then)

@@ -11,13 +11,14 @@ recompute regardless. A failed train stage resumes from its last checkpoint on t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from sftflow.flows.bench import sft_bench
 from sftflow.flows.check import sft_check
-from sftflow.flows.config import SFTConfig, bench_config, resolve_config
+from sftflow.flows.config import SFTConfig, bench_config, resolve_config, with_shorthands
 from sftflow.flows.data import DataResult, sft_data
 from sftflow.flows.eval import sft_eval
 from sftflow.flows.plan import sft_plan
@@ -48,6 +49,7 @@ class SFTResult(BaseModel):
 def sft(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     learning_rate: float | None = None,
     max_steps: int | None = None,
     epochs: int | None = None,
@@ -56,16 +58,18 @@ def sft(
 ) -> SFTResult:
     """Conversations + base model → fine-tuned, evaluated checkpoint.
 
-    `config_path` (YAML) or `config` (inline) is the whole configuration; `learning_rate`, `max_steps` and `epochs`
-    override it (flat, so `prefect deployment run sft/full -p learning_rate=1e-5` works). `force` lists stages to
-    recompute. `promote` ends with the promotion gate (`sft-promote`): the new model replaces the registry's
-    champion only if it beats it on the same eval documents.
+    `config_path` (YAML) or `config` (inline) is the whole configuration; `overrides` sets any field of it by its
+    dotted key, as the CLI's `--set` does (`-p overrides='{"train.optimizer.lr": 1e-5}'`). `learning_rate`,
+    `max_steps` and `epochs` are shorthands of `train.optimizer.lr`, `train.max_steps` and `plan.epochs`
+    (`-p learning_rate=1e-5`). `force` lists stages to recompute. `promote` ends with the promotion gate
+    (`sft-promote`): the new model replaces the registry's champion only if it beats it on the same eval documents.
     """
     force = list(force or [])
     unknown = sorted(set(force) - set(STAGES))
     if unknown:
         raise ValueError(f"force: unknown stage(s) {unknown}; expected some of {list(STAGES)}")
-    cfg = resolve_config(config_path, config, learning_rate, max_steps, epochs)
+    shorthands = {"learning_rate": learning_rate, "max_steps": max_steps, "epochs": epochs}
+    cfg = resolve_config(config_path, config, with_shorthands(overrides, **shorthands))
     with work_dir_lock(Path(cfg.work_dir).resolve()):
         if cfg.check.before_train:  # a gate, not a stage: it runs each time, and a failed check stops the run here
             sft_check(config=cfg)

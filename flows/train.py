@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 from prefect.exceptions import TerminationSignal
 
-from sftflow.flows.config import SFTConfig, resolve_config
+from sftflow.flows.config import SFTConfig, resolve_config, with_shorthands
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.plan import load_plan_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
@@ -23,6 +24,7 @@ from sftflow.tasks.train.stage import resolve_train, train_stage_task
 def sft_train(
     config_path: str | None = None,
     config: SFTConfig | None = None,
+    overrides: dict[str, Any] | None = None,
     learning_rate: float | None = None,
     max_steps: int | None = None,
     force: bool = False,
@@ -30,10 +32,14 @@ def sft_train(
     plan: PlanManifest | None = None,
     end_tracking: bool = True,
 ) -> TrainResult:
-    """Train with torchrun. `data` and `plan` default to the work folder's latest results of those stages.
+    """Train with torchrun. `overrides` sets config fields by dotted key (`{"train.optimizer.lr": 1e-5}`), as the
+    CLI's `--set` does; `learning_rate` and `max_steps` are shorthands of `train.optimizer.lr` and
+    `train.max_steps`. `data` and `plan` default to the work folder's latest results of those stages.
     `end_tracking`: finish the live tracker runs when training ends, as no evaluation follows in this flow alone (a
     later `sft` run's evaluation still goes into them); the `sft` pipeline passes False, its evaluation ends them."""
-    cfg = resolve_config(config_path, config, learning_rate=learning_rate, max_steps=max_steps)
+    cfg = resolve_config(
+        config_path, config, with_shorthands(overrides, learning_rate=learning_rate, max_steps=max_steps)
+    )
     work = Path(cfg.work_dir).resolve()
     with work_dir_lock(work, cfg.train.node_rank):
         data = data or load_data_result(work)

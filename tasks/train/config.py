@@ -259,23 +259,19 @@ class TrainOptions(BaseModel):
     def _check(self) -> TrainOptions:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
-        if self.parallel == "single" and self.nproc * self.nnodes > 1:
-            raise ValueError(
-                f"parallel='single' trains in one process; got nproc={self.nproc} x nnodes={self.nnodes} "
-                "(use parallel='fsdp' or 'auto')"
-            )
+        check_single_is_one_process(
+            self.parallel, self.nproc * self.nnodes, f"nproc={self.nproc} x nnodes={self.nnodes}"
+        )
         if self.quantize != "none" and self.lora is None:
             raise ValueError(f"quantize={self.quantize!r} quantizes a frozen base: it needs train.lora")
         if self.optimizer.in_backward:
             self._check_optimizer_in_backward()
-        if self.optimizer.offload != "off" and (
-            self.lora is not None or self.parallel == "fsdp" or self.nproc * self.nnodes > 1
-        ):
+        if self.optimizer.offload != "off" and self.lora is not None:
             raise ValueError(
-                f"optimizer.offload={self.optimizer.offload!r} streams the moments of full fine-tuning on one device "
-                f"(parallel: single or auto, no LoRA); got parallel={self.parallel!r}, nproc={self.nproc} x "
-                f"nnodes={self.nnodes}" + (", LoRA" if self.lora is not None else "")
+                f"optimizer.offload={self.optimizer.offload!r} streams the moments of full fine-tuning; LoRA trains "
+                "adapters, whose moments are a few MB: drop one"
             )
+        check_one_device_path(self)
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port) and rdzv_id, the same on all nodes")
         return self
@@ -289,13 +285,57 @@ class TrainOptions(BaseModel):
             )
         if self.lora is not None:
             raise ValueError(f"{why}; LoRA's gradients are the adapters', a few MB, with nothing to gain: drop one")
-        if self.parallel == "fsdp" or self.nproc * self.nnodes > 1:
-            raise ValueError(
-                f"{why} (parallel: single or auto); got parallel={self.parallel!r}, nproc={self.nproc} x "
-                f"nnodes={self.nnodes}"
-            )
         if self.save_grads_at_steps:
             raise ValueError(f"{why} and frees its gradient, so save_grads_at_steps has none to save")
+
+
+# The rules below are checked twice, each by one function: when the config is validated, on what it says, and again
+# at launch (`sftflow.tasks.train.launch`, `sftflow.tasks.train.resolved`), on what only the launch knows (the
+# device, the plan's real micro-batch counts); one definition keeps the two checks and their messages the same.
+
+
+def check_single_is_one_process(parallel: str, world: int, counted: str) -> None:
+    """`parallel: single` trains in one process: refused for a `world` of several (`counted` says how it was
+    counted: the config's nproc x nnodes, or the ranks of the launched world)."""
+    if parallel == "single" and world > 1:
+        raise ValueError(f"parallel='single' trains in one process; got {counted} (use parallel='fsdp' or 'auto')")
+
+
+def check_one_device_path(options: TrainOptions, device: str | None = None) -> None:
+    """`optimizer.in_backward` and `optimizer.offload` run on the one-device path only (one process, parallel:
+    single, or auto where that resolves to it). When the config is validated (`device` None) a run that is FSDP
+    whatever the device is refused (parallel: fsdp, or several processes); at launch, where the device is known
+    (`sftflow.tasks.train.launch.check_one_device_options`), also `auto` on a CPU, which is FSDP there."""
+    opt = options.optimizer
+    if opt.in_backward:
+        asked = "optimizer.in_backward: true steps each parameter as its gradient is made"
+    elif opt.offload != "off":
+        asked = f"optimizer.offload={opt.offload!r} streams the moments of full fine-tuning"
+    else:
+        return
+    world = options.nproc * options.nnodes
+    if device is None:
+        fsdp = options.parallel == "fsdp" or world > 1
+    else:
+        fsdp = parallel_path(options.parallel, world, device) != "single"
+    if fsdp:
+        on = f" on {device}" if device is not None else ""
+        raise ValueError(
+            f"{asked}, on one device (one process; parallel: single, or auto on one CUDA device); "
+            f"parallel={options.parallel!r} with "
+            f"nproc={options.nproc} x nnodes={options.nnodes}{on} is FSDP: set train.parallel: single (one process)"
+        )
+
+
+def check_one_micro_batch(optimizer: OptimConfig, accumulating: bool, facts: str) -> None:
+    """`optimizer.in_backward` steps each parameter in the backward of one micro-batch, so a step that adds up
+    several on a process cannot: refused where `accumulating`, known from the config when it is validated
+    (`SFTConfig.accumulates`) and from the plan's counts at launch (`resolve_run`); `facts` says which."""
+    if optimizer.in_backward and accumulating:
+        raise ValueError(
+            f"train.optimizer.in_backward steps each parameter in the backward of one micro-batch; {facts}: plan one "
+            "a step"
+        )
 
 
 class TrainConfig(TrainOptions):
@@ -426,8 +466,7 @@ def metrics_config(c: TrainConfig, peak_flops: float | None) -> MetricsConfig:
 def parallel_path(parallel: str, world_size: int, device_type: str) -> str:
     """The training path `parallel` resolves to: `auto` is `single` on one CUDA device (where FSDP only adds copies),
     `fsdp` otherwise."""
-    if parallel == "single" and world_size > 1:
-        raise ValueError(f"parallel='single' trains in one process, but the world has {world_size} ranks")
+    check_single_is_one_process(parallel, world_size, f"a world of {world_size} ranks")
     if parallel == "auto":
         return "single" if world_size == 1 and device_type == "cuda" else "fsdp"
     return parallel

@@ -274,17 +274,10 @@ def check_one_device_options(config: TrainConfig, vocab_size: int | None = None)
     resolve to it here (a CPU run, where auto means FSDP), or when this host has less memory available than the
     offloaded moments take, rather than by the worker after the model is built."""
     if not config.optimizer.in_backward and config.optimizer.offload == "off":
-        return
-    from sftflow.tasks.train.config import parallel_path
+        return  # nothing of the one-device path asked for: no need to look for a GPU
+    from sftflow.tasks.train.config import check_one_device_path
 
-    world = config.nproc * config.nnodes
-    device = "cpu" if _runs_on_cpu(config) else "cuda"
-    if parallel_path(config.parallel, world, device) != "single":
-        asked = "optimizer.in_backward" if config.optimizer.in_backward else "optimizer.offload"
-        raise ValueError(
-            f"train.{asked} runs on the one-device path, and parallel={config.parallel!r} on {device} with "
-            f"{world} process(es) is FSDP; set train.parallel: single (one process)"
-        )
+    check_one_device_path(config, "cpu" if _runs_on_cpu(config) else "cuda")
     if config.optimizer.offload != "off":
         import torch
         from transformers import AutoModelForCausalLM

@@ -225,19 +225,6 @@ def host_room(host_bytes: int | None, lm, optimizer_offload: str | int) -> int |
     return max(host_bytes - HOST_HEADROOM - moments, 0)
 
 
-def check_micro_batches(config, micro_batches: int, plan_micro_batches: int, plan_ranks: int, world: int) -> None:
-    """The one check of `optimizer_in_backward` against the plan: one micro-batch a step on each process."""
-    if config.optimizer.in_backward and micro_batches > 1:
-        from sftflow.tasks.train.data import plan_path
-
-        raise ValueError(
-            f"train.optimizer.in_backward steps each parameter in the backward of one micro-batch; "
-            f"{plan_path(config.plan)} has {micro_batches} a step on each of {world} process(es) "
-            f"({plan_micro_batches} micro-batch(es) x {plan_ranks} planned ranks): plan one a step "
-            "for this many ranks"
-        )
-
-
 def resolve(
     config,
     hardware: Hardware,
@@ -342,7 +329,8 @@ def resolve_run(config, *, dataset_vocab: int | None = None, hardware: Hardware 
     """`resolve` for `config` (a `TrainConfig`) as it launches: its plan's rows and micro-batches, the vocabulary of
     its data and tokenizer, and the hardware of this host (`detect_hardware`) unless given. Refuses a plan that adds
     up several micro-batches a step for `optimizer_in_backward`."""
-    from sftflow.tasks.train.data import dataset_vocab_size, load_plan, open_dataset
+    from sftflow.tasks.train.config import check_one_micro_batch
+    from sftflow.tasks.train.data import dataset_vocab_size, load_plan, open_dataset, plan_path
     from sftflow.tasks.train.export import tokenizer_source
 
     plan = load_plan(config.plan)
@@ -353,7 +341,11 @@ def resolve_run(config, *, dataset_vocab: int | None = None, hardware: Hardware 
     world = hardware.count
     # a plan made for more ranks than train here gives each process several plan ranks' rows a step
     micro_batches = plan.micro_batches_per_step * plan.num_ranks // world
-    check_micro_batches(config, micro_batches, plan.micro_batches_per_step, plan.num_ranks, world)
+    facts = (
+        f"{plan_path(config.plan)} has {micro_batches} a step on each of {world} process(es) "
+        f"({plan.micro_batches_per_step} micro-batch(es) x {plan.num_ranks} planned ranks)"
+    )
+    check_one_micro_batch(config.optimizer, micro_batches > 1, facts)
     return resolve(
         config, hardware, tokens_per_rank=plan.tokens_per_rank, micro_batches=micro_batches, vocab_size=vocab,
         template=template_choice(config.chat_template, config.template_choice),

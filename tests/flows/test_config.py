@@ -71,3 +71,59 @@ def test_train_options_are_sections_and_every_flat_key_names_its_new_one():
             load_config(default={}, overrides={f"train.{old}": "1"})
     with pytest.raises(ValueError, match=r"'train.schedule': .* now train.schedule.kind \(schedule: \{kind: linear"):
         load_config(default={"train": {"schedule": "linear"}})
+
+
+def test_a_flows_overrides_are_the_command_lines_set(tmp_path):
+    """A flow's `overrides` (dotted keys, as `-p overrides='{...}'` passes them) and its shorthand parameters
+    (`learning_rate`, `max_steps`, `epochs`) go through `load_config`, the function behind the CLI's `--set`: the
+    same config for the same keys, inline or from a file, and the same one-line errors, blamed on `overrides`."""
+    from sftflow.flows.config import SFTConfig, resolve_config, with_shorthands
+
+    path = tmp_path / "run.yaml"
+    path.write_text("demo: {records: 50}\nplan: {tokens_per_rank: 512}\ntrain: {optimizer: {lr: 1.0e-3}}\n")
+    overrides = {"train.optimizer.lr": 1e-5, "plan.epochs": 2, "train.checkpoint.every": 3}
+    from_cli = load_config(path, {"train.optimizer.lr": "1e-5", "plan.epochs": "2", "train.checkpoint.every": "3"})
+    from_file = resolve_config(str(path), None, overrides)
+    inline = resolve_config(None, SFTConfig.from_yaml(path), overrides)
+    assert from_file == inline == from_cli
+    assert (inline.train.optimizer.lr, inline.plan.epochs, inline.train.checkpoint.every) == (1e-5, 2, 3)
+    assert inline.plan.tokens_per_rank == 512  # what the overrides leave is the file's
+    assert resolve_config(str(path), None, {}) == resolve_config(str(path), None) == SFTConfig.from_yaml(path)
+
+    shorthands = with_shorthands({"train.checkpoint.every": 3}, learning_rate=1e-5, max_steps=None, epochs=2)
+    assert shorthands == {"train.checkpoint.every": 3, "train.optimizer.lr": 1e-5, "plan.epochs": 2}
+    assert resolve_config(str(path), None, shorthands) == from_cli
+    with pytest.raises(ValueError, match=r"^learning_rate and overrides\['train.optimizer.lr'\] both set"):
+        with_shorthands({"train.optimizer.lr": 1e-5}, learning_rate=1e-4)
+
+    for bad, message in [
+        (
+            {"train.optimizer.lrr": 1e-5},
+            "overrides: unknown key 'train.optimizer.lrr'; did you mean 'train.optimizer.lr'?",
+        ),
+        ({"train.lr": 1e-5}, "overrides: 'train.lr' is now 'train.optimizer.lr'"),
+        ({"plan.epochs": 0}, "overrides: 'plan.epochs': Input should be greater than or equal to 1"),
+        ({"work_dir.x": 1}, "work_dir.x: 'work_dir' is a value, not a section"),
+    ]:
+        for config_path, config in ((str(path), None), (None, inline)):
+            with pytest.raises(ValueError) as err:
+                resolve_config(config_path, config, bad)
+            assert str(err.value) == message and "\n" not in str(err.value)
+
+
+def test_the_sft_flow_refuses_a_bad_override_before_any_stage(tmp_path):
+    """On Prefect's engine, as a deployment run passes them: an unknown key, or a shorthand and an override of the
+    same key, fail the `sft` run with one line, before it takes the work folder or runs a stage."""
+    from sftflow.flows.config import SFTConfig
+    from sftflow.flows.sft import sft
+
+    config = SFTConfig(work_dir=str(tmp_path / "work"), demo={"records": 10})
+    for params, message in [
+        ({"overrides": {"train.optimizer.lrr": 1e-5}}, "unknown key 'train.optimizer.lrr'"),
+        ({"overrides": {"plan.epochs": 2}, "epochs": 3}, "epochs and overrides['plan.epochs'] both set plan.epochs"),
+    ]:
+        state = sft(config=config, **params, return_state=True)
+        assert state.is_failed()
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, ValueError) and message in str(error) and "\n" not in str(error)
+    assert not (tmp_path / "work").exists()

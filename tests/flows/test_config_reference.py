@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +16,7 @@ class _Leaf(BaseModel):
     """A leaf."""
 
     size: int = Field(3, ge=1, description="how big | how wide")
+    rows: Annotated[int, Field(ge=2)] | Literal["auto"] = Field("auto", description="a bound inside a union")
 
 
 class _Other(BaseModel):
@@ -39,6 +40,7 @@ def test_every_section_and_field_is_listed_with_type_default_and_description():
     assert "| `leaf` | `_Leaf` | (section) |  |" in text
     assert "| `items` | `list[str \\| _Leaf]` | `[]` | paths or leaves |" in text
     assert "| `size` | `int (≥ 1)` | `3` | how big \\| how wide |" in text
+    assert '| `rows` | `int (≥ 2) \\| "auto"` | `auto` | a bound inside a union |' in text
     assert "| `flag` | `bool` | `false` |  |" in text
     assert text.count("## `items[]`") == 1 and "`_Leaf`: A leaf." in text
 

@@ -106,8 +106,9 @@ def test_second_run_is_cached_end_to_end(first_run):
 
 def test_learning_rate_change_reruns_only_train_and_eval_and_a_failed_run_resumes(first_run, caplog, inject_crash):
     """A new learning rate (the flow's flat parameter) reruns training and evaluation only. Its first attempt crashes
-    without retries; a fresh run of the flow resumes that training run from its checkpoint without redoing data or
-    plan."""
+    without retries; a fresh run of the flow, given the same learning rate as an override (`overrides`, the general
+    form of the shorthand), resumes that training run from its checkpoint without redoing data or plan: the two
+    forms make one config."""
     work, first, _ = first_run
     config = _config(work).model_copy(update={"train_retries": 0})
     inject_crash("crash_after_step=3")
@@ -123,7 +124,7 @@ def test_learning_rate_change_reruns_only_train_and_eval_and_a_failed_run_resume
 
     caplog.clear()
     with RecordedTaskRuns() as runs:
-        state = sft(config=config, learning_rate=5e-4, return_state=True)
+        state = sft(config=config, overrides={"train.optimizer.lr": 5e-4}, return_state=True)
     assert state.is_completed()
     states = runs.states()
     for stage in ("render", "spans", "pbin", "index", "plan"):
