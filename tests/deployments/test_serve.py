@@ -222,7 +222,10 @@ def test_cancel_during_training_ends_cancelled_and_stops_torchrun(served):
     # Enough steps that training is still running when the cancel lands; the run is cancelled at its first step.
     log_start = len(served.serve_log())
     watch = subprocess.Popen(
-        ["prefect", "deployment", "run", "sft/full", "-p", "epochs=400", "-p", "max_steps=100000", "--watch"],
+        [  # the general form of a parameter override: any config key, as a JSON object
+            *("prefect", "deployment", "run", "sft/full", "--watch"),
+            *("-p", 'overrides={"plan.epochs": 400, "train.max_steps": 100000}'),
+        ],
         env=served.env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
