@@ -12,7 +12,8 @@
 # checkpointed, what `activation_checkpointing: auto` picks there, and with all of them, against the FSDP peer with
 # FA4 and gradient checkpointing), workload_8b_16k (the same 8B run as a user runs it, `sftflow plan` and
 # `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
-# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
+# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting), workload_1b_64k (the 1B
+# at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
@@ -70,6 +71,8 @@ for s in $STEPS; do
     workload_8b_16k_inbwd) step "$s" 420 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 \
       --set train.optimizer.in_backward=true --set train.optimizer.grad_clip=null --set train.optimizer.offload=8 \
       --work /tmp/wl8b-inbwd --out "$LOG/$s" ;;
+    workload_1b_64k) step "$s" 590 python3 benchmarks/workload.py llama1b-64k --steps 110 --warmup 10 \
+      --baseline Cnac@fa4 --work /tmp/wl1b --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
