@@ -335,8 +335,8 @@ def plan(
         typer.echo(planned.stats.model_dump_json(indent=2))
     else:
         typer.echo(
-            f"plan: {planned.stats.num_steps} steps of {planned.tokens_per_rank:,}-token rows, efficiency "
-            f"{planned.stats.efficiency:.2%} → {planned.out}"
+            f"plan: {planned.stats.num_steps} steps of {planned.tokens_per_rank:,}-token rows "
+            f"({planned.tokens_reason}), efficiency {planned.stats.efficiency:.2%} → {planned.out}"
         )
 
 

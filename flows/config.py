@@ -22,6 +22,7 @@ from sftflow.tasks.data.render import RenderConfig
 from sftflow.tasks.data.spans import SpansConfig
 from sftflow.tasks.eval.bench_config import BenchConfig, BenchTask
 from sftflow.tasks.plan.config import PlanConfig, SourceAmount, SourceShare
+from sftflow.tasks.plan.row_length import RowLength
 from sftflow.tasks.track.config import TrackConfig
 from sftflow.tasks.train.config import TrainOptions, check_one_micro_batch
 
@@ -439,20 +440,28 @@ def bench_config(cfg: SFTConfig) -> BenchConfig:
 
 
 def plan_config(cfg: SFTConfig, vocab_size: int | None = None) -> PlanConfig:
-    """The `plan` section with what it leaves to the flow filled in: `num_ranks`, the mixture of `data.sources`, and
-    `tokens_per_rank: auto` as the longest row the training GPUs fit (`sftflow.tasks.train.capacity`), so the plan's
-    cache key holds the number it planned with. `vocab_size`: the data's, for a preset model (whose vocabulary comes
-    from the data)."""
-    num_ranks = cfg.plan.num_ranks or cfg.train.nproc * cfg.train.nnodes
-    tokens_per_rank = cfg.plan.tokens_per_rank
-    if tokens_per_rank == "auto":
-        from sftflow.tasks.train.capacity import row_capacity
+    """The `plan` section with what it leaves to the flow filled in (`plan_inputs`)."""
+    return plan_inputs(cfg, vocab_size)[0]
 
-        memory_gib, accumulating = cfg.plan.device_memory_gib, cfg.accumulates()
-        tokens_per_rank = row_capacity(cfg.train, num_ranks, memory_gib, vocab_size, accumulating).tokens
+
+def plan_inputs(cfg: SFTConfig, vocab_size: int | None = None) -> tuple[PlanConfig, RowLength]:
+    """The `plan` section with what it leaves to the flow filled in: `num_ranks`, the mixture of `data.sources`, and
+    `tokens_per_rank` as the resolved run's rules choose it (`sftflow.tasks.train.resolved.resolve_rows`; `auto`: the
+    longest row the training GPUs fit), so the plan's cache key holds the number it planned with; and that choice,
+    for the plan to record. `vocab_size`: the data's, for a preset model (whose vocabulary comes from the data)."""
+    from sftflow.tasks.train.resolved import plan_hardware, resolve_rows
+
+    num_ranks = cfg.plan.num_ranks or cfg.train.nproc * cfg.train.nnodes
+    setting = cfg.plan.tokens_per_rank
+    hardware = plan_hardware(cfg.plan.device_memory_gib) if setting == "auto" else None
+    rows = resolve_rows(
+        cfg.train, hardware, setting=setting, num_ranks=num_ranks, vocab_size=vocab_size,
+        accumulating=cfg.accumulates(),
+    )  # fmt: skip
     mixture = cfg.data.mixture if cfg.data is not None and cfg.demo is None else ()
-    resolved = {"num_ranks": num_ranks, "tokens_per_rank": tokens_per_rank, "device_memory_gib": None}
-    return PlanConfig.model_validate({**cfg.plan.model_dump(), **resolved, "mixture": mixture})
+    resolved = {"num_ranks": num_ranks, "tokens_per_rank": rows.value, "device_memory_gib": None}
+    config = PlanConfig.model_validate({**cfg.plan.model_dump(), **resolved, "mixture": mixture})
+    return config, RowLength(value=rows.value, setting=rows.setting, reason=rows.reason)
 
 
 def validated_models() -> dict[str, type[BaseModel]]:

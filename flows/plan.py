@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from sftflow.flows.config import SFTConfig, plan_config, resolve_config, with_shorthands
+from sftflow.flows.config import SFTConfig, plan_inputs, resolve_config, with_shorthands
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.plan.manifest import PlanManifest
@@ -32,9 +32,11 @@ def sft_plan(
         data = data or load_data_result(work)
         task = plan_task.with_options(refresh_cache=True) if force else plan_task
         vocab_size = max((shard.vocab_size for shard in data.index.shards), default=None)
-        manifest = task(data.index, plan_config(cfg, vocab_size), str(work))
+        config, row_length = plan_inputs(cfg, vocab_size)
+        manifest = task(data.index, config, str(work), row_length)
         write_stage_result(work, "plan", manifest)
         s = manifest.stats
+        get_run_logger().info("sft-plan: tokens_per_rank %s (%s)", f"{config.tokens_per_rank:,}", row_length.reason)
         get_run_logger().info(
             "sft-plan: %d steps, efficiency %.2f%%, token imbalance %.3f, cost imbalance %.3f",
             s.num_steps,

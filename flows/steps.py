@@ -50,11 +50,12 @@ def data_inputs(data: Path) -> tuple[str, str | None, str | None, Any]:
 
 @dataclass(frozen=True)
 class PlannedFolder:
-    """A plan written into `out`: its statistics and the row length (`auto` made a number)."""
+    """A plan written into `out`: its statistics, the row length (`auto` made a number) and why it has it."""
 
     out: Path
     stats: Any  # `PlanStats`
     tokens_per_rank: int
+    tokens_reason: str
 
     def summary(self) -> dict:
         s = self.stats
@@ -78,8 +79,9 @@ def plan_folder(
     `session(out)`."""
     import numpy as np
 
-    from sftflow.flows.config import plan_config
+    from sftflow.flows.config import plan_inputs
     from sftflow.tasks.plan.plan_files import plan_from_index, plan_into
+    from sftflow.tasks.plan.row_length import ROW_LENGTH_FILE, read_row_length
 
     if data is not None and lengths is not None:
         raise ValueError("give one of --data DIR or --lengths FILE.npy, not both")
@@ -90,11 +92,13 @@ def plan_folder(
             raise ValueError(f"{lengths}: expected a 1-D array of lengths, got shape {doc_lengths.shape}")
         # Without loss spans, every token but each document's first is a trained target.
         targets = np.maximum(doc_lengths - 1, 0)
-        _, stats = plan_into(out, doc_lengths, targets, plan_config(cfg), lambda doc: f"{lengths}: doc {doc}")
+        config, row_length = plan_inputs(cfg)
+        _, stats = plan_into(out, doc_lengths, targets, config, lambda doc: f"{lengths}: doc {doc}", None, row_length)
     elif data is not None and bare_index(data):
         # A dataset index without a `sftflow data` output around it: plain planning (no cache, no Prefect), as
         # `train` takes such an index too.
-        _, stats = plan_from_index(data, plan_config(cfg, index_vocab_size(data)), out)
+        config, row_length = plan_inputs(cfg, index_vocab_size(data))
+        _, stats = plan_from_index(data, config, out, row_length=row_length)
     else:
         import shutil
 
@@ -107,9 +111,12 @@ def plan_folder(
             )
         stats = manifest.stats
         shutil.copyfile(manifest.path, out / "plan.npz")
+        # How the rows' length was chosen travels with the plan: `sftflow train --plan OUT` prints it.
+        shutil.copyfile(manifest.dir / ROW_LENGTH_FILE, out / ROW_LENGTH_FILE)
     with np.load(out / "plan.npz") as arrays:
         row_tokens = int(arrays["tokens_per_rank"])  # the number `auto` became
-    return PlannedFolder(out=out, stats=stats, tokens_per_rank=row_tokens)
+    reason = read_row_length(out).reason
+    return PlannedFolder(out=out, stats=stats, tokens_per_rank=row_tokens, tokens_reason=reason)
 
 
 def train_folder_config(cfg, *, data: Path | None, plan: Path | None, out: Path | None):

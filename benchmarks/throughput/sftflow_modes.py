@@ -42,12 +42,12 @@ class SftflowModes(BenchCore):
             peak_bytes,
             resolve_memory_budget,
         )
-        from sftflow.tasks.train.capacity import model_state_bytes
         from sftflow.tasks.train.compile import compile_layers, resolve_compile
         from sftflow.tasks.train.config import parallel_path
         from sftflow.tasks.train.data import RankBatches
         from sftflow.tasks.train.metrics import MetricsLogger
         from sftflow.tasks.train.model import attention_width, count_params, decoder_layers
+        from sftflow.tasks.train.resolved import model_state_bytes
         from sftflow.tasks.train.worker import Prefetch, parallelize, stage_inputs, train_step
 
         args, env, plan = self.args, self.env, self.plan

@@ -20,8 +20,9 @@ from sftflow.tasks.train.activations import (
     max_row_tokens,
     peak_bytes,
 )
-from sftflow.tasks.train.capacity import GIB
 from sftflow.tasks.train.launch import ALLOC_CONF_VARS
+
+GIB = 2**30
 
 
 class OutOfMemory(ValueError):

@@ -8,6 +8,13 @@ parallel path, compiled layers, compute dtype, the activation memory budget, act
 offload, the attention and loss kernels (`sftflow.kernels.dispatch`'s choice and why), the row length and the
 template. The launcher writes it into `RUN_DIR/run.json` (`resolved`); the worker reads it and applies it, deciding
 nothing again, and prints `table()` as its first lines.
+
+One choice comes before the rest: `plan.tokens_per_rank: auto`, the packed row length, which the plan fixes before a
+run exists. `resolve_rows` makes it on the same `Hardware` (`plan_hardware`: the planning machine's GPU, or one with
+`plan.device_memory_gib` free), the same meta model (`meta_model`) and state estimate (`model_state_bytes`) as
+`resolve`, under the planning rules of `planned_memory`; the flow hands the plan stage that `Choice` as data, the plan
+folder records it (`sftflow.tasks.plan.row_length`), and `resolve_run` reads it back, so the run's `tokens per rank`
+line says why its rows have that length.
 """
 
 from __future__ import annotations
@@ -16,11 +23,16 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sftflow.tasks.train.hardware import Hardware, detect_hardware
 
-__all__ = ["Choice", "Hardware", "ResolvedRun", "detect_hardware", "resolve", "resolve_run"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "Choice", "Hardware", "ResolvedRun", "detect_hardware", "plan_hardware", "resolve", "resolve_rows", "resolve_run",
+]  # fmt: skip
 
 log = logging.getLogger("sftflow.train")
 GIB = 2**30
@@ -225,6 +237,149 @@ def host_room(host_bytes: int | None, lm, optimizer_offload: str | int) -> int |
     return max(host_bytes - HOST_HEADROOM - moments, 0)
 
 
+def model_state_bytes(
+    lm: nn.Module,
+    quantize: str,
+    parallel: str,
+    world_size: int,
+    accumulating: bool,
+    released: bool = False,
+    offload: str | int = "off",
+) -> float:
+    """`state_bytes` of `lm` as built for training (a meta model will do): its trained and frozen parameters, the
+    frozen ones at the size `quantize` holds them in, on `parallel` over `world_size` ranks (`released`: stepped in
+    the backward; `offload`: `train.optimizer.offload`)."""
+    from sftflow.tasks.train.activations import state_bytes
+    from sftflow.tasks.train.host_moments import offloaded_numel
+    from sftflow.tasks.train.model import decoder_layers
+    from sftflow.tasks.train.quantize import frozen_weight_bytes
+
+    return state_bytes(
+        trained_params=sum(p.numel() for p in lm.parameters() if p.requires_grad),
+        frozen_bytes=frozen_weight_bytes(lm, quantize),
+        parallel=parallel,
+        world_size=world_size,
+        total_params=sum(p.numel() for p in lm.parameters()),
+        num_layers=len(decoder_layers(lm)),
+        accumulating=accumulating,
+        largest_trained=max((p.numel() for p in lm.parameters() if p.requires_grad), default=0) if released else None,
+        offloaded=offloaded_numel(lm, offload) if parallel == "single" else (0, 0),
+    )
+
+
+@dataclass(frozen=True)
+class PlannedMemory:
+    """What `plan.tokens_per_rank: auto` sizes rows for (`planned_memory`)."""
+
+    parallel: str  # single or fsdp: the training path on the plan's ranks
+    checkpointing: str | int  # off, selective, full or a number of layers
+    budget: float  # the activation memory budget of compiled layers
+    offload: bool  # the checkpointed layers' inputs in host memory
+
+
+def planned_memory(config, num_ranks: int) -> PlannedMemory:
+    """The rules the row length is planned under, before the rows (and so the launch's memory choices) exist; a
+    setting that was made is planned with as it is, and for `auto` settings:
+
+    - parallel: the path `num_ranks` GPUs take (`parallel_path` on CUDA: rows are sized for the GPUs that train);
+    - activation checkpointing `auto`: off, the rows that fit without it (the fastest per token; `full` plans the
+      longest rows a GPU holds);
+    - activation memory budget `auto`: 1, all of each layer's activations kept (the launch may still lower it); a set
+      budget counts only with compiled layers (`compile: auto` compiles on GPUs, `off` has none to apply it to);
+    - activation offload `auto`: none (the launch may still turn it on); `true` counts only with checkpointing.
+    """
+    from sftflow.tasks.train.config import parallel_path
+
+    memory = config.memory
+    parallel = parallel_path(config.parallel, num_ranks, "cuda")
+    checkpointing = "off" if memory.activation_checkpointing == "auto" else memory.activation_checkpointing
+    budget = (
+        1.0 if memory.activation_memory_budget == "auto" or memory.compile == "off" else memory.activation_memory_budget
+    )
+    offload = memory.activation_offload is True and checkpointing != "off"
+    return PlannedMemory(parallel=parallel, checkpointing=checkpointing, budget=budget, offload=offload)
+
+
+def plan_hardware(memory_gib: float | None) -> Hardware | None:
+    """The GPU `plan.tokens_per_rank: auto` sizes rows for: one with `memory_gib` free where it is given
+    (`plan.device_memory_gib`: no GPU needed), else this machine's first GPU as a launch detects it
+    (`detect_hardware`), else None (no GPU to ask)."""
+    if memory_gib is not None:
+        memory = int(memory_gib * GIB)
+        return Hardware(kind="cuda", name="plan.device_memory_gib", memory=memory, total_memory=memory)
+    import torch
+
+    return detect_hardware("cuda", 1) if torch.cuda.is_available() else None
+
+
+def resolve_rows(
+    config,
+    hardware: Hardware | None,
+    *,
+    setting: int | str,
+    num_ranks: int,
+    vocab_size: int | None,
+    accumulating: bool,
+) -> Choice:
+    """The plan's row length (`plan.tokens_per_rank`): a number as `set`; `auto` as the longest row (a multiple of
+    1024, at most the model's `max_position_embeddings`) whose estimated peak fits in the free memory of `hardware`
+    (`plan_hardware`) beside the weights and optimizer state of `config` (a run's `TrainOptions`) on each of
+    `num_ranks` GPUs, under the rules of `planned_memory`. `vocab_size`: the data's (a preset's vocabulary comes from
+    it); `accumulating`: a step adds up several micro-batches (fp32 gradients on one GPU)."""
+    from sftflow.tasks.train.activations import checkpointing_label, max_row_tokens
+    from sftflow.tasks.train.model import PRESETS
+
+    if setting != "auto":
+        return Choice(setting, setting, "set")
+    if hardware is None or hardware.kind != "cuda" or hardware.memory is None:
+        raise ValueError(
+            "plan.tokens_per_rank: auto sizes rows for the training GPUs' memory, and this machine has no GPU to "
+            "ask; set plan.device_memory_gib (free GiB on one training GPU: ~139 on an idle H200, ~79 on an 80 GB "
+            "H100) or give plan.tokens_per_rank as a number"
+        )
+    free = hardware.memory
+    # A preset's vocabulary comes from the data; without it, a stand-in that holds the config's BOS/EOS ids.
+    stand_in = max(vocab_size or 0, 256) if config.model in PRESETS else vocab_size
+    try:
+        lm = meta_model(config, stand_in)
+    except OSError as err:
+        why = " ".join(str(err).split())  # one line: the hub's messages span several
+        raise ValueError(
+            f"plan.tokens_per_rank: auto reads the model's config, and train.model {config.model!r} has none here "
+            f"({why}); give a local folder or config.json, or plan.tokens_per_rank as a number"
+        ) from err
+    mc = lm.config
+    planned = planned_memory(config, num_ranks)
+    mode = planned.checkpointing
+    state = model_state_bytes(
+        lm, config.quantize, planned.parallel, num_ranks, accumulating, config.optimizer.in_backward,
+        config.optimizer.offload,
+    )  # fmt: skip
+    fits = max_row_tokens(mc, mode, state, free, offload=planned.offload, budget=planned.budget)
+    limit = getattr(mc, "max_position_embeddings", None)
+    tokens = min(fits, limit // 1024 * 1024 or limit) if limit else fits
+    if tokens <= 0:
+        more = "" if mode == "full" else "; train.memory.activation_checkpointing: full leaves more room, or "
+        raise ValueError(
+            f"plan.tokens_per_rank: auto: {config.model}'s weights and optimizer state (~{state / GIB:.1f} GiB a GPU "
+            f"on the {planned.parallel} path) leave no room for a row of 1,024 tokens in {free / GIB:.1f} GiB"
+            f"{more or '; '}train LoRA (train.lora) or on more GPUs (train.nproc)"
+        )
+    label = checkpointing_label(mode, mc.num_hidden_layers)
+    how = "without checkpointing" if label == "off" else f"with activation checkpointing {label}"
+    how += " and activation offload" if planned.offload else ""
+    how += f" at an activation memory budget of {planned.budget:g}" if planned.budget != 1 else ""
+    path = f" a GPU on the fsdp path over {num_ranks} GPUs" if planned.parallel == "fsdp" else ""
+    where = f"{state / GIB:.1f} GiB of weights and optimizer state{path} in {free / GIB:.1f} GiB free ({hardware.name})"
+    if tokens < fits:
+        reason = f"auto: the model's {limit:,} positions, shorter than the longest row that fits {how}: {where}"
+    else:
+        reason = f"auto: the longest row that fits {how}: {where}"
+    choice = Choice(tokens, "auto", reason)
+    logging.getLogger("sftflow.plan").info("tokens_per_rank: %s (%s)", f"{tokens:,}", reason)
+    return choice
+
+
 def resolve(
     config,
     hardware: Hardware,
@@ -232,20 +387,22 @@ def resolve(
     tokens_per_rank: int,
     micro_batches: int,
     vocab_size: int | None,
-    tokens_reason: str = "the plan's rows",
+    rows: Choice | None = None,
     template: Choice | None = None,
     lm=None,
 ) -> ResolvedRun:
     """Every `auto` of `config` (a `TrainConfig`) on `hardware`, for rows of `tokens_per_rank` tokens and
-    `micro_batches` a step on each process (see the module docstring). `lm`: the run's model on the meta device
+    `micro_batches` a step on each process (see the module docstring). `rows`: how the plan chose that length
+    (`resolve_rows`, as the plan recorded it; default: "the plan's rows"). `lm`: the run's model on the meta device
     (default: built from the config, `meta_model`)."""
     import torch
 
     from sftflow.kernels import attention, cross_entropy
-    from sftflow.tasks.train.capacity import model_state_bytes
     from sftflow.tasks.train.config import parallel_path
     from sftflow.tasks.train.model import decoder_layers
 
+    if rows is not None and rows.value != tokens_per_rank:
+        raise ValueError(f"rows of {tokens_per_rank:,} tokens, and their choice says {rows.value:,}")
     kind, world = hardware.kind, hardware.count
     lm = meta_model(config, vocab_size) if lm is None else lm
     mc = lm.config
@@ -288,7 +445,7 @@ def resolve(
         parallel=Choice(parallel, config.parallel, parallel_why),
         compile=Choice(compiled, config.memory.compile, compile_why),
         dtype=Choice(dtype, config.memory.dtype, dtype_why),
-        tokens_per_rank=Choice(tokens_per_rank, tokens_per_rank, tokens_reason),
+        tokens_per_rank=rows or Choice(tokens_per_rank, tokens_per_rank, "the plan's rows"),
         micro_batches=micro_batches,
         state_bytes=state,
         activation_memory_budget=budget,
@@ -326,14 +483,21 @@ def template_choice(chat_template: str | None, chosen=None) -> Choice | None:
 
 
 def resolve_run(config, *, dataset_vocab: int | None = None, hardware: Hardware | None = None) -> ResolvedRun:
-    """`resolve` for `config` (a `TrainConfig`) as it launches: its plan's rows and micro-batches, the vocabulary of
-    its data and tokenizer, and the hardware of this host (`detect_hardware`) unless given. Refuses a plan that adds
-    up several micro-batches a step for `optimizer_in_backward`."""
+    """`resolve` for `config` (a `TrainConfig`) as it launches: its plan's rows (and how the plan chose their length,
+    where it recorded that) and micro-batches, the vocabulary of its data and tokenizer, and the hardware of this host
+    (`detect_hardware`) unless given. Refuses a plan that adds up several micro-batches a step for
+    `optimizer_in_backward`."""
+    from sftflow.tasks.plan.row_length import read_row_length
     from sftflow.tasks.train.config import check_one_micro_batch
     from sftflow.tasks.train.data import dataset_vocab_size, load_plan, open_dataset, plan_path
     from sftflow.tasks.train.export import tokenizer_source
 
     plan = load_plan(config.plan)
+    # A plan from before the choice was recorded, or whose plan.npz was replaced since: "the plan's rows".
+    record = read_row_length(plan_path(config.plan).parent)
+    rows = None
+    if record is not None and record.value == plan.tokens_per_rank:
+        rows = Choice(record.value, record.setting, record.reason)
     if dataset_vocab is None:
         dataset_vocab = dataset_vocab_size(open_dataset(config.data, config.data_split))
     vocab = run_vocab_size(dataset_vocab, tokenizer_source(config.model, config.tokenizer))
@@ -348,7 +512,7 @@ def resolve_run(config, *, dataset_vocab: int | None = None, hardware: Hardware 
     check_one_micro_batch(config.optimizer, micro_batches > 1, facts)
     return resolve(
         config, hardware, tokens_per_rank=plan.tokens_per_rank, micro_batches=micro_batches, vocab_size=vocab,
-        template=template_choice(config.chat_template, config.template_choice),
+        rows=rows, template=template_choice(config.chat_template, config.template_choice),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from sftflow.flows.data import sft_data
 from sftflow.flows.plan import sft_plan
 from sftflow.flows.train import sft_train
 from sftflow.tasks.demo import write_demo
+from sftflow.tasks.plan.row_length import read_row_length
 from tests.flows.conftest import task_states
 
 pytestmark = pytest.mark.slow
@@ -77,13 +78,17 @@ def test_a_three_source_mixture_plans_its_shares_and_reruns_only_the_plan(tmp_pa
     assert abs({s.name: s for s in replanned.stats.sources}["chat.jsonl"].planned_share - 0.6) < 0.03
 
     # `tokens_per_rank: auto` becomes a number before the plan's cache key is made: the tiny preset fits rows up to its
-    # 2048 positions, and the same settings again are Cached.
-    auto = load_config(config_path, {"plan.tokens_per_rank": "auto", "plan.device_memory_gib": 4})
-    for expected in ("Completed", "Cached"):
+    # 2048 positions, and the same settings again are Cached; the plan records why its rows have that length (the
+    # reason is not keyed: a GPU with a little less free memory that plans the same rows reuses the plan).
+    for expected, gib in (("Completed", 4), ("Cached", 3.5)):
+        auto = load_config(config_path, {"plan.tokens_per_rank": "auto", "plan.device_memory_gib": gib})
         state = sft_plan(config=auto, data=data, return_state=True)
         assert task_states(state) == {"plan": [expected]}
         with np.load(state.result().path) as arrays:
             assert int(arrays["tokens_per_rank"]) == 2048
+        recorded = read_row_length(state.result().dir)
+        assert (recorded.value, recorded.setting) == (2048, "auto")
+        assert recorded.reason.endswith("in 4.0 GiB free (plan.device_memory_gib)")  # as first planned
 
     # Training logs each step's trained tokens per source, and its loss and token accuracy per source and per tag.
     overrides = {"train.model": "tiny-llama", "train.max_steps": 3, "train.num_threads": 1}

@@ -294,7 +294,7 @@ def test_the_estimate_covers_the_8b_peaks_measured_with_the_optimizer_in_the_bac
     recompute than what ran and fit."""
     from transformers import AutoModelForCausalLM
 
-    from sftflow.tasks.train.capacity import model_state_bytes
+    from sftflow.tasks.train.resolved import model_state_bytes
 
     config = _llama("8b")
     with torch.device("meta"):

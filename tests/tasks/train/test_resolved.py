@@ -16,11 +16,10 @@ from sftflow.tasks.train.activations import (
     resolve_memory_budget,
     settle_memory_budget,
 )
-from sftflow.tasks.train.capacity import model_state_bytes
 from sftflow.tasks.train.compile import resolve_compile
 from sftflow.tasks.train.host_moments import HOST_HEADROOM, offloaded_numel
 from sftflow.tasks.train.model import decoder_layers
-from sftflow.tasks.train.resolved import Choice, Hardware, ResolvedRun, meta_model, resolve
+from sftflow.tasks.train.resolved import Choice, Hardware, ResolvedRun, meta_model, model_state_bytes, resolve
 
 GIB = 2**30
 # A Llama-3.2-1B-shaped preset: 16 layers, built on the meta device only.
@@ -181,17 +180,19 @@ def test_the_train_stage_key_holds_the_choices_not_the_measurements():
 def test_rows_are_planned_without_the_choices_the_launch_may_still_make():
     """`plan.tokens_per_rank: auto` sizes rows before the launch resolves: for `auto` settings, no checkpointing, a
     budget of 1 and no offload; settings that were made, as they are."""
-    from sftflow.tasks.train.capacity import planned_memory
     from sftflow.tasks.train.config import TrainOptions
+    from sftflow.tasks.train.resolved import PlannedMemory, planned_memory
 
-    assert planned_memory(TrainOptions(), 1) == ("single", "off", 1.0, False)
-    assert planned_memory(TrainOptions(), 2) == ("fsdp", "off", 1.0, False)
+    assert planned_memory(TrainOptions(), 1) == PlannedMemory("single", "off", 1.0, False)
+    assert planned_memory(TrainOptions(), 2) == PlannedMemory("fsdp", "off", 1.0, False)
     full = TrainOptions(
         memory=dict(activation_checkpointing="full", activation_offload=True, activation_memory_budget=0.5)
     )
-    assert planned_memory(full, 1) == ("single", "full", 0.5, True)
+    assert planned_memory(full, 1) == PlannedMemory("single", "full", 0.5, True)
     eager = TrainOptions(memory=dict(activation_checkpointing=4, activation_memory_budget=0.5, compile="off"))
-    assert planned_memory(eager, 1) == ("single", 4, 1.0, False)
+    assert planned_memory(eager, 1) == PlannedMemory("single", 4, 1.0, False)
+    offload_alone = TrainOptions(memory=dict(activation_offload=True))  # nothing to offload without checkpointing
+    assert planned_memory(offload_alone, 1) == PlannedMemory("single", "off", 1.0, False)
 
 
 def test_the_template_line_says_how_the_data_stage_chose_the_template(tmp_path, shared_data, tiny_tokenizer_dir):
