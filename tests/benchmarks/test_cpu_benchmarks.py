@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from sftflow.tasks.shapes import SHAPES
 from tests.benchmarks.rows import BENCHMARKS, read_result_rows
 
 
@@ -24,3 +25,28 @@ def test_planner(tmp_path):
     ours = [r for r in rows if r["mode"] == "ours" and r["peer"] is not None]
     assert len(ours) == 1 and ours[0]["ratio"] == ours[0]["value"] / ours[0]["peer_value"]
     assert all(r["gpu"] is None and r["versions"]["numpy"] for r in rows)
+
+
+def tiny_config(tmp_path) -> str:
+    """A Hugging Face config file of the registry's smallest Llama shape: each mode builds it in a second."""
+    path = tmp_path / "model.json"
+    SHAPES["llama-64x2"].config().to_json_file(str(path))
+    return str(path)
+
+
+def test_export_memory(tmp_path):
+    out = bench("export_memory.py", "--config", tiny_config(tmp_path), "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "| streamed | " in out and "| whole | " in out and "streamed / whole:" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/export_memory.py")
+    assert {(r["mode"], r["metric"]) for r in rows} == {
+        (mode, metric) for mode in ("streamed", "whole") for metric in ("extra host memory", "export time")
+    }
+    assert [r["peer"] for r in rows if r["mode"] == "streamed" and r["metric"] == "export time"] == ["whole"]
+
+
+def test_checkpoint_memory(tmp_path):
+    args = ["--config", tiny_config(tmp_path), "--layers", "1", "--modes", "deferred", "joined"]
+    out = bench("checkpoint_memory.py", *args, "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "| deferred | " in out and "| joined | " in out and "deferred / joined:" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/checkpoint_memory.py")
+    assert len(rows) == 2 * 4 and {r["mode"] for r in rows} == {"deferred", "joined"}
