@@ -50,3 +50,15 @@ def test_checkpoint_memory(tmp_path):
     assert "| deferred | " in out and "| joined | " in out and "deferred / joined:" in out
     rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/checkpoint_memory.py")
     assert len(rows) == 2 * 4 and {r["mode"] for r in rows} == {"deferred", "joined"}
+
+
+def test_load_checkpoint(tmp_path):
+    args = ["--shape", "small", "--ranks", "1", "--baseline-ranks", "--jsonl", str(tmp_path / "r.jsonl")]
+    out = bench("load_checkpoint.py", *args)
+    assert "| 1 | sftflow | " in out and "failed" not in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/load_checkpoint.py")
+    assert [(r["mode"], r["metric"]) for r in rows] == [
+        ("sftflow", "peak host memory, largest rank"),
+        ("sftflow", "load time"),
+    ]
+    assert all(r["workload"].endswith("1 gloo rank(s)") and r["value"] > 0 for r in rows)
