@@ -62,3 +62,11 @@ def test_load_checkpoint(tmp_path):
         ("sftflow", "load time"),
     ]
     assert all(r["workload"].endswith("1 gloo rank(s)") and r["value"] > 0 for r in rows)
+
+
+def test_data_prep(tmp_path):
+    out = bench("data_prep.py", "--limit", "20", "--repeats", "1", "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "HF apply_chat_template" in out and "ratio (ours / baseline)" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/data_prep.py")
+    assert len(rows) == 3 * 2 and sum(r["peer"] is not None for r in rows) == 2  # both of ours against HF's
+    assert all(r["versions"]["tokenizers"] for r in rows)
