@@ -96,8 +96,11 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if args.jsonl:
-        env, benchmark = harness.environment(), f"adamw/{n / 1e9:.3f}B"
-        rows = [harness.result_row(benchmark, k, "step_time", ms, "ms", env) for k, ms in results.items()]
+        env, workload = harness.environment(), f"{n / 1e9:.3f}B parameters"
+        rows = [
+            harness.result_row("benchmarks/adamw.py", k, "step_time", ms, "ms", env, workload=workload)
+            for k, ms in results.items()
+        ]
         harness.write_rows(args.jsonl, rows)
 
 

@@ -33,7 +33,7 @@ from unittest import mock
 import numpy as np
 import torch
 import triton
-from harness import do_bench_matmul_tflops as matmul_tflops  # sliding_window.py imports it from here
+from harness import do_bench_matmul_tflops as matmul_tflops
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 

@@ -1,11 +1,12 @@
 """The working tree's Triton attention against another version of `kernels/attention_triton.py`, in one process.
 
     git show REV:kernels/attention_triton.py > /tmp/old_attention.py
-    python benchmarks/attention_ab.py --old /tmp/old_attention.py [--docs packed long]
+    python benchmarks/attention_ab.py --old /tmp/old_attention.py [--docs packed long] [--jsonl FILE]
 
 Both run fwd+bwd on the rows of `benchmarks/attention.py` (`doc_lengths`) at its shapes, alternating old and new
 twice per shape so that clock drift shows as a spread; times are `triton.testing.do_bench` medians. The old file's
-`torch.library` ops are renamed (`sftflow_old::`) so that both can be loaded.
+`torch.library` ops are renamed (`sftflow_old::`) so that both can be loaded. `--jsonl FILE` appends the new
+kernel's time against the old one's, per shape, to FILE as result rows (`harness.py`).
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -23,6 +24,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import harness  # noqa: E402
 from attention import DOCS, LONG_SHAPES, SHAPES, doc_lengths  # noqa: E402
 
 from sftflow.kernels import attention_triton as new  # noqa: E402
@@ -43,9 +45,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--old", required=True)
     parser.add_argument("--docs", nargs="+", default=["packed", "long"], choices=sorted(DOCS))
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     old = load_old(args.old)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    env, figures = harness.environment(), []
+    print(f"{env['gpu']}, {harness.versions_line(env, 'torch')}")
     print("| docs | H | K | D | old ms (slower run) | new ms (slower run) | new / old | gradients new vs old |")
     print("|---|---|---|---|---|---|---|---|")
     for docs in args.docs:
@@ -81,6 +85,16 @@ def main() -> None:
                 f"({max(times['new']):.3f}) | {n_ms / o_ms:.3f} | {err:.1e} |",
                 flush=True,
             )
+            workload = f"{docs} row T={T}; H={H} K={K} D={D} bf16"
+            note = f"fwd+bwd, do_bench median, faster of 2 alternating runs; gradients new vs old {err:.1e}"
+            figures += [
+                harness.result_row("benchmarks/attention_ab.py", "new (working tree)", "fwd+bwd time", n_ms, "ms", env,
+                                   workload=workload, peer=f"old ({args.old})", peer_value=o_ms, ratio=n_ms / o_ms,
+                                   ratio_basis="this ms / peer ms", note=note),
+                harness.result_row("benchmarks/attention_ab.py", f"old ({args.old})", "fwd+bwd time", o_ms, "ms", env,
+                                   workload=workload, note=note),
+            ]  # fmt: skip
+    harness.write_rows(args.jsonl, figures)
 
 
 if __name__ == "__main__":

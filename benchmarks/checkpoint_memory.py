@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_memory.py [--config benchmarks/workloads/llama-3.2-1b.json] [--layers 8]
                                            [--modes deferred deferred-per-tensor deferred-one-file joined]
+                                           [--jsonl FILE]
 
 Each mode runs in its own process: it builds a `MasterAdamW` over the model (bf16 parameters, the masters' low bits
 and fp32 moments, as on a GPU but in host memory here), then saves the `model` component with DCP and loads it
@@ -15,18 +16,17 @@ back, after the parameters were overwritten. The numbers are the process's peak 
   until the file closes;
 - `joined` (the worker before): every master joined into a CPU tensor before DCP starts (4 bytes a parameter), and
   read back into such tensors before any is split; one file per rank.
-Each checks that the loaded masters equal the saved ones.
+Each checks that the loaded masters equal the saved ones. `--jsonl FILE` appends each mode's extra host memory and
+seconds of the save and of the load to FILE as result rows (`harness.py`), deferred against joined.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
-from host_memory import peak_bytes, print_rows, reset_peak, run_modes
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,17 +69,17 @@ def child(args) -> None:
         component, save_planner, load_planner = state, DeferredSavePlanner(), DeferredLoadPlanner()
     else:
         component, save_planner, load_planner = JoinedModelState(state), None, None
-    base = reset_peak()
-    t0 = time.perf_counter()
+    base = harness.reset_peak()
+    timer = harness.Timer().start()
     dcp.save({"model": component}, storage_writer=writer, planner=save_planner, no_dist=True)
-    save_s, save_gib = time.perf_counter() - t0, (peak_bytes() - base) / 2**30
+    save_s, save_gib = timer.stop(), (harness.peak_bytes() - base) / 2**30
     with torch.no_grad():
         for p in lm.parameters():
             optimizer.set_master(p, torch.zeros(p.shape))
-    base = reset_peak()
-    t0 = time.perf_counter()
+    base = harness.reset_peak()
+    timer = harness.Timer().start()
     dcp.load({"model": component}, checkpoint_id=str(path), planner=load_planner, no_dist=True)
-    load_s, load_gib = time.perf_counter() - t0, (peak_bytes() - base) / 2**30
+    load_s, load_gib = timer.stop(), (harness.peak_bytes() - base) / 2**30
     wrong = [n for n, p in lm.named_parameters() if optimizer.master(p).double().sum().item() != sums[n]]
     assert not wrong, f"{args.mode}: masters not restored: {wrong[:3]}"
     files = len(list(path.glob("*.distcp")))
@@ -95,17 +95,16 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=modes)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     if args.mode:
         return child(args)
-    rows = run_modes(__file__, args.modes, ["--config", args.config, "--layers", str(args.layers)])
-    import torch
-
-    machine = platform.processor() or platform.machine()
-    print(f"{machine}, python {platform.python_version()}, torch {torch.__version__}; {Path(args.config).name} with "
+    rows = harness.run_modes(__file__, args.modes, ["--config", args.config, "--layers", str(args.layers)])
+    env = harness.environment()
+    print(f"{env['machine']}, {harness.versions_line(env, 'python', 'torch')}; {Path(args.config).name} with "
           f"{args.layers} layers, the `model` component (fp32 masters) alone")  # fmt: skip
     headers = ["parameters", "files", "save: extra host GiB", "save s", "load: extra host GiB", "load s"]
-    ok = print_rows(rows, headers, lambda r: [
+    ok = harness.print_rows(rows, headers, lambda r: [
         f"{r['params'] / 1e9:.2f}B", str(r["files"]), f"{r['save_gib']:.2f}", f"{r['save_s']:.1f}",
         f"{r['load_gib']:.2f}", f"{r['load_s']:.1f}",
     ])  # fmt: skip
@@ -114,6 +113,33 @@ def main() -> None:
         print(f"\ndeferred / joined: save {d['save_gib'] / j['save_gib']:.2f}x the host memory, "
               f"{d['save_s'] / j['save_s']:.2f}x the time; load {d['load_gib'] / j['load_gib']:.2f}x the host memory, "
               f"{d['load_s'] / j['load_s']:.2f}x the time")  # fmt: skip
+    harness.write_rows(args.jsonl, result_rows(args, ok, env))
+
+
+FIGURES = (
+    ("save_gib", "save: extra host memory", "GiB"),
+    ("save_s", "save time", "s"),
+    ("load_gib", "load: extra host memory", "GiB"),
+    ("load_s", "load time", "s"),
+)
+
+
+def result_rows(args, ok: dict[str, dict], env: dict) -> list[dict]:
+    """Each mode that ran: the save's and the load's extra host memory and seconds, deferred against joined."""
+    rows = []
+    for mode, r in ok.items():
+        workload = (
+            f"save and load the one-device path's fp32 masters, {r['params'] / 1e9:.2f}B parameters "
+            f"({Path(args.config).name}, {args.layers} layers)"
+        )
+        peer = ok.get("joined") if mode == "deferred" else None
+        for key, metric, unit in FIGURES:
+            against = {}
+            if peer is not None and peer[key] > 0:
+                against = dict(peer="joined", peer_value=peer[key], ratio=r[key] / peer[key], ratio_basis="this / peer")
+            rows.append(harness.result_row("benchmarks/checkpoint_memory.py", mode, metric, r[key], unit, env,
+                                           workload=workload, **against))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

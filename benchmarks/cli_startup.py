@@ -8,22 +8,23 @@ Rows, in one run on this machine:
   600 s budget instead of its default 20 s, which a first start on a loaded 2-core machine exceeds).
 - `imports`: `python -c "import sftflow.flows.data"` alone.
 
-Usage: `python benchmarks/cli_startup.py [--append-results]`. Each row is the median of `--repeat` runs (the first
-row runs once: it needs an empty PREFECT_HOME).
+Usage: `python benchmarks/cli_startup.py [--append-results] [--jsonl FILE]`. Each row is the median of `--repeat` runs
+(the first row runs once: it needs an empty PREFECT_HOME). `--jsonl FILE` appends each row's median to FILE as result
+rows (`harness.py`), the runs on the local API against Prefect's ephemeral server.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import harness
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 EPHEMERAL = """
@@ -35,9 +36,9 @@ run_data(DataConfig(sources=[sys.argv[1]], tokenizer=sys.argv[2], render={"templ
 
 
 def _timed(args: list[str], env: dict[str, str]) -> float:
-    started = time.perf_counter()
+    timer = harness.Timer().start()
     result = subprocess.run(args, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - started
+    elapsed = timer.stop()
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{result.stderr[-3000:]}")
     return elapsed
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--append-results", action="store_true")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
 
     from sftflow.flows.local_api import state_dir, stop_server
@@ -85,9 +87,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     load = os.getloadavg()[0]
+    env = harness.environment("prefect")
     lines = [
-        f"### `sftflow data` on 3 records, {time.strftime('%Y-%m-%d')}, {platform.node()} "
-        f"({os.cpu_count()} cores, load {load:.1f} at the end), Python {platform.python_version()}",
+        f"### `sftflow data` on 3 records, {env['date']}, {env['machine']} (load {load:.1f} at the end), "
+        f"Python {env['versions']['python']}",
         "",
         "| run | median s | all runs s |",
         "|---|---|---|",
@@ -96,9 +99,28 @@ def main() -> None:
         lines.append(f"| {name} | {statistics.median(times):.1f} | {', '.join(f'{t:.1f}' for t in times)} |")
     table = "\n".join(lines) + "\n"
     print(table)
+    harness.write_rows(args.jsonl, result_rows(rows, args.repeat, load, env))
     if args.append_results:
         with open(RESULTS, "a") as f:
             f.write("\n" + table)
+
+
+def result_rows(rows: list[tuple[str, list[float]]], repeat: int, load: float, env: dict) -> list[dict]:
+    """Each row's median wall time; the runs on the running local API against Prefect's ephemeral server."""
+    medians = {name: statistics.median(times) for name, times in rows}
+    peer_name = next(name for name in medians if name.startswith("prefect ephemeral"))
+    figures = []
+    for name, median in medians.items():
+        peer = {}
+        if "API running" in name:
+            peer = dict(peer=peer_name, peer_value=medians[peer_name], ratio=medians[peer_name] / median,
+                        ratio_basis="peer s / this s")  # fmt: skip
+        runs = 1 if name.startswith("first") else repeat
+        figures.append(harness.result_row(
+            "benchmarks/cli_startup.py", name, "wall time (median)", median, "s", env,
+            workload="sftflow data on 3 records", note=f"median of {runs} run(s); load {load:.1f} at the end", **peer,
+        ))  # fmt: skip
+    return figures
 
 
 if __name__ == "__main__":

@@ -291,12 +291,15 @@ def main(argv=None) -> dict:
         (args.out / "cost_table.json").write_text(json.dumps(report, indent=2))
         (args.out / "cost_table.md").write_text(text)
     if args.jsonl:
-        env, benchmark = environment(), f"cost_table/{args.preset}/{args.row_tokens}"
+        env, workload = environment(), f"{args.preset}, {args.row_tokens}-token rows"
         metric = "step_time_per_token_median"
         rows = [
-            result_row(benchmark, f"length{r['length']}", metric, r["us_per_token_median"], "us", env)
+            result_row(
+                "benchmarks/cost_table.py", f"length{r['length']}", metric, r["us_per_token_median"], "us", env,
+                workload=workload,
+            )
             for r in report["rows"]
-        ]
+        ]  # fmt: skip
         write_rows(args.jsonl, rows)
     return report
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+from functools import partial
 
 import harness
 import torch
@@ -129,9 +130,9 @@ def main() -> None:
     if args.jsonl:
         env, figures = harness.environment(), []
         for mask, _, name, ms, _, peak, _, _, _ in rows:
-            benchmark = f"cross_entropy/T{T}-D{D}-V{V}-masked{mask:.1f}"
-            figures.append(harness.result_row(benchmark, name, "fwd_bwd_time", ms, "ms", env))
-            figures.append(harness.result_row(benchmark, name, "peak_extra_memory", peak, "GiB", env))
+            row = partial(harness.result_row, "benchmarks/cross_entropy.py", name, env=env,
+                          workload=f"T={T} D={D} V={V} bf16; {mask:.0%} of targets masked")  # fmt: skip
+            figures += [row("fwd_bwd_time", ms, "ms"), row("peak_extra_memory", peak, "GiB")]
         harness.write_rows(args.jsonl, figures)
 
 

@@ -7,7 +7,7 @@ time excludes reading and format conversion, while ours includes reading, render
 Ours runs twice: with the default `tokenizer_backend="auto"` (tiktoken for a supported byte-level BPE, checked
 against HF per shard; single-threaded, one `encode_ordinary` per text) and with `"hf"` (the Rust tokenizer, batched).
 
-    python benchmarks/data_prep.py [--tokenizer DIR] [--limit N] [--record]
+    python benchmarks/data_prep.py [--tokenizer DIR] [--limit N] [--record] [--jsonl FILE]
 
 `--flow N` measures the whole `sft-data` flow instead, as a user runs it (defaults: `shard_bytes: auto`, one worker
 per core) and again with one worker, on one JSONL of N long records: the dataset's records cycled, each copy made
@@ -17,7 +17,10 @@ hashing, sharding, reading, rendering, tokenizing, packing and the index (Prefec
 run made, before timing).
 `--flow N --repeats-as-is` cycles the records unchanged instead (exact duplicates, as in scraped dumps).
 
-    python benchmarks/data_prep.py --flow 10000 [--record]
+    python benchmarks/data_prep.py --flow 10000 [--record] [--jsonl FILE]
+
+`--jsonl FILE` appends each row's figures (conversations/s and tokens/s; with `--flow`, the wall time) to FILE as
+result rows (`harness.py`), against the HF loop.
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from importlib.metadata import version  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -90,14 +93,8 @@ def _tokenizer(path: str | None, work: Path):
     return tokenizer, work / "tok-chatml"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+BENCHMARK = "benchmarks/data_prep.py"
+HF_PEER = "HF apply_chat_template(..., return_assistant_tokens_mask=True)"
 
 
 def main() -> None:
@@ -108,12 +105,11 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
     parser.add_argument("--flow", type=int, default=0, help="time the sft-data flow on N records (see above)")
     parser.add_argument("--repeats-as-is", action="store_true", help="--flow: cycle records as exact duplicates")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     if args.flow:
         flow_main(args)
         return
-
-    import transformers
 
     from sftflow.tasks.data.bpe_fast import FastBPE, why_unsupported
     from sftflow.tasks.data.formats import RecordError, normalize_record
@@ -134,20 +130,20 @@ def main() -> None:
     render_config = RenderConfig(format="sharegpt", template="chatml", on_bad_record="reject")
     template = resolve_template(render_config, tokenizer_dir)
     # Built once per process and cached; timed apart so that the best-of-N runs below do not hide it.
-    setup_start = time.perf_counter()
+    setup = harness.Timer().start()
     supported = FastBPE.from_tokenizer(tokenizer) is not None
-    setup_s = time.perf_counter() - setup_start
+    setup_s = setup.stop()
 
     def ours(backend: str):
         spans_config = SpansConfig(bos="never", eos="never", tokenizer_backend=backend)
         best_s = best_render_s = float("inf")
         for _ in range(args.repeats):  # best of N: the machine may be shared
-            start = time.perf_counter()
+            timer = harness.Timer().start()
             render_stats = render_source(work / "data.jsonl", work / "rendered.jsonl", render_config, template)
-            rendered_at = time.perf_counter()
+            rendered_s = timer.stop()
             span_stats = tokenize_rendered_shard(work / "rendered.jsonl", tokenizer, spans_config, work / "tokens.npz")
-            best_s = min(best_s, time.perf_counter() - start)
-            best_render_s = min(best_render_s, rendered_at - start)
+            best_s = min(best_s, timer.stop())
+            best_render_s = min(best_render_s, rendered_s)
         return best_s, best_render_s, render_stats, span_stats
 
     ours_s, render_s, render_stats, span_stats = ours("auto")
@@ -163,9 +159,9 @@ def main() -> None:
             pass
     base_s = float("inf")
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        timer = harness.Timer().start()
         baseline_tokens = hf_loop_tokens(tokenizer, conversations)
-        base_s = min(base_s, time.perf_counter() - start)
+        base_s = min(base_s, timer.stop())
 
     n = render_stats.rendered
     rows = [
@@ -174,11 +170,9 @@ def main() -> None:
         ("HF apply_chat_template", len(conversations) / base_s, baseline_tokens / base_s),
     ]
     ratio, hf_ratio = rows[0][1] / rows[2][1], rows[1][1] / rows[2][1]
-    header = f"data_prep on {name}: {n} conversations, {span_stats.tokens} tokens, one core of {_cpu_name()}"
-    versions = (
-        f"python {platform.python_version()}, transformers {transformers.__version__}, "
-        f"tokenizers {version('tokenizers')}, tiktoken {version('tiktoken')}"
-    )
+    env = harness.environment("tokenizers", "tiktoken")
+    header = f"data_prep on {name}: {n} conversations, {span_stats.tokens} tokens, one core of {harness.cpu_name()}"
+    versions = harness.versions_line(env, "python", "transformers", "tokenizers", "tiktoken")
     backend_note = (
         f"tiktoken setup {setup_s:.2f}s once per process (not in the timed runs)"
         if supported
@@ -194,6 +188,17 @@ def main() -> None:
     for label, conv_s, tok_s in rows:
         print(f"{label:<36}{conv_s:>12.1f}{tok_s:>14.0f}")
     print(summary)
+    workload, figures = f"{name}, {n} conversations, ChatML, render + spans", []
+    for label, conv_s, tok_s in rows:
+        peer = {}
+        if label != rows[2][0]:
+            peer = dict(peer=HF_PEER, peer_value=rows[2][1], ratio=conv_s / rows[2][1], ratio_basis="this / peer")
+        row = dict(env=env, workload=workload, note="one core, best of " + str(args.repeats))
+        figures += [
+            harness.result_row(BENCHMARK, label, "conversations/s", conv_s, "conv/s", **row, **peer),
+            harness.result_row(BENCHMARK, label, "tokens/s", tok_s, "tokens/s", **row),
+        ]
+    harness.write_rows(args.jsonl, figures)
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
             date = time.strftime("%Y-%m-%d")
@@ -231,15 +236,14 @@ def _time_flow(source: Path, tokenizer_dir: Path, work: Path, workers: int | Non
         spans={"bos": "never", "eos": "never"},
         workers=workers,
     )
-    start = time.perf_counter()
+    timer = harness.Timer().start()
     result = sft_data(config=SFTConfig(work_dir=str(work), data=config))
-    return time.perf_counter() - start, result
+    return timer.stop(), result
 
 
 def flow_main(args) -> None:
     """`--flow N`: the sft-data flow (defaults, then one worker) against the apply_chat_template loop."""
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="sftflow-bench-prefect-"))
-    import transformers
     from prefect.client.orchestration import get_client
 
     from sftflow.flows.data import usable_cores
@@ -270,9 +274,9 @@ def flow_main(args) -> None:
             conversations.append(normalize_record(json.loads(line), "sharegpt", f"{i}").messages)
         except RecordError:
             pass
-    start = time.perf_counter()
+    timer = harness.Timer().start()
     baseline_tokens = hf_loop_tokens(tokenizer, conversations)
-    base_s = time.perf_counter() - start
+    base_s = timer.stop()
     load_after = os.getloadavg()
 
     records = sum(r.num_records for r in result.rendered)
@@ -286,16 +290,25 @@ def flow_main(args) -> None:
     kind = "exact repeats" if args.repeats_as_is else "each copy distinct"
     header = (
         f"sft-data vs HF on {name} cycled to {args.flow} records ({kind}; {data.stat().st_size / 2**20:.1f} MiB, "
-        f"{tokens} tokens, {repeated} repeats tokenized once), {cores} usable cores of {_cpu_name()}, "
+        f"{tokens} tokens, {repeated} repeats tokenized once), {cores} usable cores of {harness.cpu_name()}, "
         f"1/5/15-min load {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
         f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after"
     )
-    versions = f"python {platform.python_version()}, transformers {transformers.__version__}"
+    env = harness.environment()
+    versions = harness.versions_line(env, "python", "transformers")
     print(header)
     print(versions)
     print(f"{'pipeline':<48}{'s':>9}{'records/s':>12}{'tokens/s':>14}{'vs HF':>8}")
     for label, seconds, n, t in rows:
         print(f"{label:<48}{seconds:>9.1f}{n / seconds:>12.1f}{t / seconds:>14.0f}{base_s / seconds:>7.2f}x")
+    workload = f"{name} cycled to {args.flow:,} records, {kind} ({tokens} tokens)"
+    figures = []
+    for label, seconds, _, _ in rows:
+        peer = {}
+        if label != rows[2][0]:
+            peer = dict(peer=rows[2][0], peer_value=base_s, ratio=base_s / seconds, ratio_basis="peer s / this s")
+        figures.append(harness.result_row(BENCHMARK, label, "wall time", seconds, "s", env, workload=workload, **peer))
+    harness.write_rows(args.jsonl, figures)
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
             date = time.strftime("%Y-%m-%d")

@@ -13,7 +13,10 @@ Tokenizer threads are pinned to one per process (RAYON_NUM_THREADS=1), so a work
     total  the whole flow call: hashing and sharding the source, starting the cluster (Dask: worker processes import
            the stack), the map, and the serial index (hash, dedup, split) in the flow process
 
-    python benchmarks/data_prep_scaling.py [--records 200000] [--shard-bytes 8000000] [--record]
+    python benchmarks/data_prep_scaling.py [--records 200000] [--shard-bytes 8000000] [--record] [--jsonl FILE]
+
+`--jsonl FILE` appends each run's map records/s (against dask with 1 worker) and total seconds to FILE as result rows
+(`harness.py`).
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import harness  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SFTFLOW_SHARED_DATA", REPO.parent / "shared" / "data"))
 RUNS = (("threads", 2), ("dask", 1), ("dask", 2))
+BENCHMARK = "benchmarks/data_prep_scaling.py"
 
 
 def _inputs(work: Path, records: int) -> tuple[Path, Path, str, int]:
@@ -56,13 +61,6 @@ def _inputs(work: Path, records: int) -> tuple[Path, Path, str, int]:
         for i in range(records):
             f.write(lines[i % len(lines)] + b"\n")
     return out, tokenizer, name, len(lines)
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _start_api() -> None:
@@ -98,9 +96,9 @@ def _run(source: Path, tokenizer: Path, work: Path, runner: str, workers: int, s
         workers=workers,
         shard_bytes=shard_bytes,
     )
-    start = time.perf_counter()
+    timer = harness.Timer().start()
     state = sft_data(config=SFTConfig(work_dir=str(work), data=config), return_state=True)
-    total = time.perf_counter() - start
+    total = timer.stop()
     result = state.result()
     return {
         "runner": runner,
@@ -121,12 +119,8 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=200_000, help="lines in the repeated source file")
     parser.add_argument("--shard-bytes", type=int, default=8_000_000)
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
-
-    import dask
-    import prefect
-    import prefect_dask
-    import transformers
 
     work = Path(tempfile.mkdtemp(prefix="sftflow-bench-scaling-"))
     try:
@@ -146,12 +140,12 @@ def main() -> None:
         r["index_arrays_sha256"] == first["index_arrays_sha256"] for r in rows
     )
     base = next(r for r in rows if (r["runner"], r["workers"]) == ("dask", 1))
+    env = harness.environment("prefect", "prefect-dask", "dask")
+    versions = harness.versions_line(env, "python", "prefect", "prefect_dask", "dask", "transformers")
     header = (
         f"{time.strftime('%Y-%m-%d')}: {name} ({distinct} distinct) repeated to {rows[0]['records']} records, "
         f"{rows[0]['tokens']} tokens, {rows[0]['shards']} shards of ~{args.shard_bytes / 1e6:g} MB; "
-        f"{_cpu()}, {os.cpu_count()} cores visible; python {platform.python_version()}, "
-        f"prefect {prefect.__version__}, prefect-dask {prefect_dask.__version__}, dask {dask.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"{env['machine']} visible; {versions.replace('prefect_dask', 'prefect-dask')}"
     )
     columns = "runner | workers | map records/s | map tokens/s | map s | tasks running | total records/s | total s"
     table = [f"| {columns} | map vs dask×1 |", "|---" * 9 + "|"]
@@ -166,11 +160,31 @@ def main() -> None:
         f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs included)."
     )
     print(header, *table, footer, sep="\n")
+    harness.write_rows(args.jsonl, result_rows(rows, base, name, args.shard_bytes, identical, env))
     if args.record:
         with open(REPO / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
             f.write(f"\n## Data preparation scaling, {header}\n\n" + "\n".join(table) + f"\n\n{footer}\n")
     if not identical:
         raise SystemExit("outputs differ between runners")
+
+
+def result_rows(rows: list[dict], base: dict, name: str, shard_bytes: int, identical: bool, env: dict) -> list[dict]:
+    """Each run's map records/s (against dask with one worker) and its flow call's seconds."""
+    workload = f"{name} repeated to {rows[0]['records']:,} records ({rows[0]['tokens']:,} tokens)"
+    note = f"{rows[0]['shards']} shards of ~{shard_bytes / 1e6:g} MB; outputs byte-identical across runs: {identical}"
+    peer_name, peer_rate = "dask, 1 worker", base["records"] / base["map_s"]
+    figures = []
+    for r in rows:
+        mode, rate = f"{r['runner']}, {r['workers']} worker(s)", r["records"] / r["map_s"]
+        peer = {}
+        if r is not base:
+            peer = dict(peer=peer_name, peer_value=peer_rate, ratio=rate / peer_rate, ratio_basis="this / peer")
+        row = dict(env=env, workload=workload, note=note)
+        figures += [
+            harness.result_row(BENCHMARK, mode, "map records/s", rate, "records/s", **row, **peer),
+            harness.result_row(BENCHMARK, mode, "total wall time", r["total_s"], "s", **row),
+        ]
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Peak host memory and time of the export (`hf/`), a tensor group at a time against the whole model at once.
 
     python benchmarks/export_memory.py [--config benchmarks/workloads/llama-3.2-1b.json] [--dtype bf16]
-                                       [--shard-gb 5] [--modes streamed whole]
+                                       [--shard-gb 5] [--modes streamed whole] [--jsonl FILE]
 
 Each mode runs in its own process. The process first builds the trained model's fp32 tensors (random values), which
 on a GPU run live in device memory, so they are not counted: the number reported is the process's peak resident
@@ -10,18 +10,18 @@ memory (`ru_maxrss`) minus its resident memory once they exist, i.e. what the ex
   device and only its `dtype` copy reaches the host);
 - `whole` (the worker before): an fp32 copy of every tensor on the host (`full_state_dict`), loaded into a model
   built from the config, cast to `dtype` and written by `save_pretrained`.
+`--jsonl FILE` appends each mode's extra host memory and time to FILE as result rows (`harness.py`), streamed against
+whole.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
-import time
 from pathlib import Path
 
-from host_memory import print_rows, resident_bytes, run_modes
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,9 +40,9 @@ def child(args) -> None:
     if config.tie_word_embeddings:
         source.pop("lm_head.weight", None)
     numel = sum(t.numel() for t in source.values())
-    base = resident_bytes()
+    base = harness.resident_bytes()
     out = Path(args.out) / args.mode
-    t0 = time.perf_counter()
+    timer = harness.Timer().start()
     if args.mode == "streamed":
         export_streamed(source.__getitem__, config, out, tokenizer=None, dtype=args.dtype,
                         max_shard_bytes=int(args.shard_gb * 10**9))  # fmt: skip
@@ -52,7 +52,7 @@ def child(args) -> None:
         model.load_state_dict(state, strict=False)
         target = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         model.to(target).save_pretrained(out, max_shard_size=f"{args.shard_gb}GB")
-    seconds = time.perf_counter() - t0
+    seconds = timer.stop()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     files = sorted(p.name for p in out.glob("*.safetensors"))
     print(json.dumps(dict(mode=args.mode, params=numel, extra_gib=(peak - base) / 2**30, seconds=seconds,
@@ -67,26 +67,40 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["streamed", "whole"])
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
     if args.mode:
         return child(args)
-    rows = run_modes(
+    rows = harness.run_modes(
         __file__, args.modes, ["--config", args.config, "--dtype", args.dtype, "--shard-gb", str(args.shard_gb)]
     )
-    import torch
-    import transformers
-
-    machine = platform.processor() or platform.machine()
-    versions = f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
-    print(f"{machine}, {versions}; {Path(args.config).name}, {args.dtype}, shards of {args.shard_gb} GB")
+    env = harness.environment()
+    versions = harness.versions_line(env, "python", "torch", "transformers")
+    print(f"{env['machine']}, {versions}; {Path(args.config).name}, {args.dtype}, shards of {args.shard_gb} GB")
     headers = ["parameters", "extra host memory GiB", "seconds", "files", "bytes written"]
-    ok = print_rows(rows, headers, lambda r: [
+    ok = harness.print_rows(rows, headers, lambda r: [
         f"{r['params'] / 1e9:.2f}B", f"{r['extra_gib']:.2f}", f"{r['seconds']:.1f}", str(r["files"]),
         f"{r['bytes'] / 1e9:.2f} GB",
     ])  # fmt: skip
     if {"streamed", "whole"} <= ok.keys():
         print(f"\nstreamed / whole: {ok['streamed']['extra_gib'] / ok['whole']['extra_gib']:.2f}x the host memory, "
               f"{ok['streamed']['seconds'] / ok['whole']['seconds']:.2f}x the time")  # fmt: skip
+    harness.write_rows(args.jsonl, result_rows(args, ok, env))
+
+
+def result_rows(args, ok: dict[str, dict], env: dict) -> list[dict]:
+    """Each mode that ran: its extra host memory and seconds, streamed against whole where both ran."""
+    rows = []
+    for mode, r in ok.items():
+        workload = f"export {Path(args.config).name} ({r['params'] / 1e9:.2f}B) {args.dtype}, {args.shard_gb:g} GB"
+        peer = ok.get("whole") if mode == "streamed" else None
+        for key, metric, unit in (("extra_gib", "extra host memory", "GiB"), ("seconds", "export time", "s")):
+            against = {}
+            if peer is not None and peer[key] > 0:
+                against = dict(peer="whole", peer_value=peer[key], ratio=r[key] / peer[key], ratio_basis="this / peer")
+            rows.append(harness.result_row("benchmarks/export_memory.py", mode, metric, r[key], unit, env,
+                                           workload=workload + " shards", **against))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """What the benchmark scripts share: the common options, timing, the environment a figure was measured in, and
-results as JSON lines.
+results as JSON lines, and the host-memory benchmarks' process-per-mode runs.
 
 A script runs from `benchmarks/` (its folder is on `sys.path`), so it imports this module as `harness`. A result row
-is one figure:
+is one figure, with the fields of the records in `benchmarks/results/*.jsonl` (`results_table.py` reads them):
 
-    {"date", "gpu", "versions", "commit", "benchmark", "mode", "metric", "value", "unit"}
+    {"date", "gpu", "machine", "versions", "commit", "benchmark", "command", "workload", "mode", "metric", "value",
+     "unit", "peer", "peer_value", "ratio", "ratio_basis", "run", "source", "note"}
 
-`gpu` is the CUDA device's name (None on a CPU run), `versions` the packages the figure depends on, `commit` the
-checkout's git commit (None outside a git checkout).
+`gpu` is the CUDA device's name (None on a CPU run), `machine` the host's CPU and core count, `versions` the packages
+the figure depends on, `commit` the checkout's git commit (None outside a git checkout), `command` the command line
+that measured it; `peer`, `peer_value`, `ratio` and `ratio_basis` say what a side-by-side figure was against.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
@@ -184,19 +189,57 @@ def git_commit(root: Path = REPO_ROOT) -> str | None:
     return commit + ("+dirty" if dirty else "") if commit else None
 
 
-def environment() -> dict:
-    """The fields every result row carries: date, GPU, versions (`versions()` plus FlashAttention-4's), commit."""
+def cpu_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """The host, as a CPU figure names where it ran: the CPU's name and the cores this process sees."""
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def command() -> str:
+    """This process's command line, its script named from the checkout's root (`benchmarks/planner.py --skip-real`)."""
+    script = Path(sys.argv[0]).resolve()
+    name = str(script.relative_to(REPO_ROOT)) if script.is_relative_to(REPO_ROOT) else sys.argv[0]
+    return " ".join([name, *sys.argv[1:]])
+
+
+def environment(*packages: str) -> dict:
+    """The fields every result row carries: date, GPU, machine, versions (`versions()` plus FlashAttention-4's and
+    those of the distributions named in `packages`), commit and command."""
     found = versions()
     gpu = found.pop("gpu", None)
     found["flash_attn_4"] = package_version("flash-attn-4")
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "versions": found, "commit": git_commit()}
+    for dist in packages:
+        found[dist.replace("-", "_")] = package_version(dist)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "machine": machine(),
+        "versions": found,
+        "commit": git_commit(),
+        "command": command(),
+    }
+
+
+def versions_line(env: dict, *keys: str) -> str:
+    """`python 3.12.3, torch 2.11.0, ...`: the environment's versions named in `keys` (all that are known if none)."""
+    found = env["versions"]
+    return ", ".join(f"{k} {found[k]}" for k in (keys or found) if found.get(k) is not None)
 
 
 def env_line(env: dict | None = None) -> str:
     """The environment in one line, for a Markdown table's header."""
     env = environment() if env is None else env
-    packages = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v is not None)
-    return f"{env['date']}, {env['gpu'] or 'cpu'}, {packages}, commit {env['commit'] or '?'}"
+    return f"{env['date']}, {env['gpu'] or 'cpu'}, {versions_line(env)}, commit {env['commit'] or '?'}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,18 +247,46 @@ def env_line(env: dict | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def result_row(benchmark: str, mode: str, metric: str, value, unit: str, env: dict | None = None) -> dict:
+def result_row(
+    benchmark: str,
+    mode: str,
+    metric: str,
+    value,
+    unit: str,
+    env: dict | None = None,
+    *,
+    workload: str,
+    peer: str | None = None,
+    peer_value=None,
+    ratio=None,
+    ratio_basis: str | None = None,
+    run: str | None = None,
+    source: str | None = None,
+    note: str | None = None,
+) -> dict:
+    """One figure as a `benchmarks/results/*.jsonl` record: `benchmark` is the script (`benchmarks/planner.py`),
+    `workload` what it ran on, `mode` which side; the environment (`environment()`) fills in where and how."""
     env = environment() if env is None else env
     return {
         "date": env["date"],
         "gpu": env["gpu"],
+        "machine": env["machine"],
         "versions": env["versions"],
         "commit": env["commit"],
         "benchmark": benchmark,
+        "command": env["command"],
+        "workload": workload,
         "mode": mode,
         "metric": metric,
         "value": value,
         "unit": unit,
+        "peer": peer,
+        "peer_value": peer_value,
+        "ratio": ratio,
+        "ratio_basis": ratio_basis,
+        "run": run,
+        "source": source,
+        "note": note,
     }
 
 
@@ -233,3 +304,59 @@ def write_rows(path: Path | str | None, rows: Iterable[dict]) -> list[dict]:
 
 def read_rows(path: Path | str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# host memory (`export_memory.py`, `checkpoint_memory.py`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def resident_bytes() -> int:
+    return _status("VmRSS")
+
+
+def peak_bytes() -> int:
+    """The peak resident memory since the process started or since `reset_peak`."""
+    return _status("VmHWM")
+
+
+def reset_peak() -> int:
+    """Reset the peak resident memory to the current one (Linux), and return that."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return resident_bytes()
+
+
+def run_modes(script: str, modes: list[str], args: list[str]) -> list[dict]:
+    """Run `script --mode M --out TMP *args` for each mode, each in its own process (so one mode's freed memory
+    never lowers the next one's numbers); a row is the JSON object its last output line holds, or the mode and the
+    last line of its error."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            cmd = [sys.executable, script, "--mode", mode, "--out", tmp, *args]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                rows.append(dict(mode=mode, error=proc.stderr.strip().splitlines()[-1:]))
+                continue
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def print_rows(rows: list[dict], headers: list[str], cells) -> dict[str, dict]:
+    """Print `run_modes` rows as a markdown table (`cells(row)` gives the cells after the mode; a failed mode gets
+    its error), and return the rows that ran, by mode."""
+    print("| mode | " + " | ".join(headers) + " |")
+    print("|---" * (len(headers) + 1) + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error']} |" + " |" * (len(headers) - 1))
+            continue
+        print(f"| {r['mode']} | " + " | ".join(cells(r)) + " |")
+    return {r["mode"]: r for r in rows if "error" not in r}

@@ -1,6 +1,7 @@
 """Peak host memory and time per rank to load a Hugging Face checkpoint for training, sftflow against the old way.
 
     python benchmarks/load_checkpoint.py [--shape llama3-1b] [--ranks 1 2 4] [--baseline-ranks 1 2] [--device cpu]
+                                         [--jsonl FILE]
 
 A random-init checkpoint of the shape is written once as bf16 safetensors in 2 files with an index, as a hub folder
 is. Then, for each rank count, `torchrun` starts that many ranks, each of which:
@@ -11,7 +12,8 @@ is. Then, for each rank count, `torchrun` starts that many ranks, each of which:
 
 Each rank reports its peak resident memory (`ru_maxrss`) after loading and the seconds it took; the table shows the
 largest rank's, next to the target: the rank's fp32 shard (on a CPU device; nothing on a GPU device) plus the largest
-tensor plus 1 GiB.
+tensor plus 1 GiB. `--jsonl FILE` appends the largest rank's peak and the seconds of each run to FILE as result rows
+(`harness.py`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import harness
 
 from sftflow.tasks.shapes import SHAPES as MODEL_SHAPES
 
@@ -33,6 +35,7 @@ from sftflow.tasks.shapes import SHAPES as MODEL_SHAPES
 # norm epsilon, positions): llama3-1b is meta-llama/Llama-3.2-1B's structure (1.24B parameters, tied head).
 SHAPES = {"llama3-1b": MODEL_SHAPES["llama3.2-1b"].structure(), "small": MODEL_SHAPES["llama-512x4"].structure()}
 RESULTS = Path(__file__).with_name("RESULTS.md")
+BENCHMARK = "benchmarks/load_checkpoint.py"
 
 
 def write_checkpoint(shape: str, folder: Path) -> tuple[int, int]:
@@ -65,8 +68,10 @@ def write_checkpoint(shape: str, folder: Path) -> tuple[int, int]:
 
 
 RANK = """
-import json, os, resource, sys, time
+import json, os, resource, sys
 import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])  # benchmarks/, for the harness's timer
+from harness import Timer
 from sftflow.tasks.train.fsdp import init_distributed, shard_model
 from sftflow.tasks.train.model import build_model, build_training_model
 from sftflow.tasks.train.weights import materialize
@@ -75,7 +80,7 @@ env = init_distributed(device)
 if env.device.type == "cuda":
     torch.ones(1, device=env.device)  # the CUDA context: part of the process, not of loading
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-start = time.perf_counter()
+timer = Timer().start()  # the host's clock: loading is host work, the device synchronised below
 if mode == "sftflow":
     lm, files = build_training_model(folder, vocab_size=None, packed=True)
     root = shard_model(lm, env, torch.float32)
@@ -85,7 +90,7 @@ else:
     root = shard_model(lm, env, torch.float32)
 if env.device.type == "cuda":
     torch.cuda.synchronize()
-seconds = time.perf_counter() - start
+seconds = timer.stop()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 row = {"rank": env.rank, "seconds": seconds, "peak_bytes": peak, "before_bytes": before}
 print("RESULT " + json.dumps(row), flush=True)
@@ -98,7 +103,8 @@ def measure(folder: Path, mode: str, ranks: int, device: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(RANK)
-    result = subprocess.run([*cmd, f.name, str(folder), mode, device], env=env, capture_output=True, text=True)
+    here = str(Path(__file__).resolve().parent)
+    result = subprocess.run([*cmd, f.name, str(folder), mode, device, here], env=env, capture_output=True, text=True)
     os.unlink(f.name)
     rows = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
     if result.returncode != 0 or len(rows) != ranks:
@@ -113,21 +119,19 @@ def main() -> None:
     parser.add_argument("--baseline-ranks", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--append-results", action="store_true")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
 
-    import torch
-    import transformers
-
-    gib = 2**30
+    env = harness.environment()
+    gib, figures = 2**30, []
     with tempfile.TemporaryDirectory(prefix="sftflow-load-") as tmp:
         folder = Path(tmp)
-        started = time.perf_counter()
+        timer = harness.Timer().start()
         params, largest = write_checkpoint(args.shape, folder)
-        print(f"wrote {params / 1e9:.2f}B parameters in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"wrote {params / 1e9:.2f}B parameters in {timer.stop():.0f} s", flush=True)
         lines = [
             f"### {args.shape} ({params / 1e9:.2f}B parameters, bf16 safetensors in 2 files), loaded for training on "
-            f"{args.device}, {time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, torch "
-            f"{torch.__version__}, transformers {transformers.__version__}",
+            f"{args.device}, {env['date']}, {env['machine']}, {harness.versions_line(env, 'torch', 'transformers')}",
             "",
             "| ranks | load | peak host memory of the largest rank (GiB) | of which before loading | target (GiB) "
             "| seconds |",
@@ -146,8 +150,19 @@ def main() -> None:
                 seconds = max(r["seconds"] for r in rows)
                 lines.append(f"| {ranks} | {mode} | {peak:.2f} | {before:.2f} | {target:.2f} | {seconds:.1f} |")
                 print(lines[-1], flush=True)
+                kind = "gloo" if args.device == "cpu" else "GPU"
+                row = dict(
+                    env=env,
+                    workload=f"load a {params / 1e9:.2f}B bf16 checkpoint, {ranks} {kind} rank(s)",
+                    note=f"{args.shape} shape, bf16 safetensors in 2 files; FSDP2; target {target:.2f} GiB",
+                )
+                figures += [
+                    harness.result_row(BENCHMARK, mode, "peak host memory, largest rank", peak, "GiB", **row),
+                    harness.result_row(BENCHMARK, mode, "load time", seconds, "s", **row),
+                ]
     table = "\n".join(lines) + "\n"
     print(table)
+    harness.write_rows(args.jsonl, figures)
     if args.append_results:
         with open(RESULTS, "a") as f:
             f.write("\n" + table)

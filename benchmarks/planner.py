@@ -1,6 +1,6 @@
 """Planner benchmark: ours vs naive padding, first-fit decreasing, best-fit decreasing and multipack V2 (token LPT).
 
-    python benchmarks/planner.py [--num-docs 1000000] [--skip-real] [--no-record]
+    python benchmarks/planner.py [--num-docs 1000000] [--skip-real] [--no-record] [--jsonl FILE]
 
 All methods see the same lengths in the same run, at `tokens_per_rank=8192`, 8 ranks, one micro-batch per step,
 and cost `L + L²/8192` per document. Rows are grouped `num_ranks` at a time into micro-batches in each method's own
@@ -12,20 +12,19 @@ ignore the capacity). Length sets:
     (documents longer than 8192 dropped, as the index would). Skipped when the folder is absent.
 FFD and BFD are exact, vectorised over runs of equal lengths; multipack V2 follows the published loop (binary search
 on the prefix, LPT check) in plain Python, without numba, so its time is not comparable to a numba build.
-The table is printed and appended to benchmarks/RESULTS.md under "## Planner".
+The table is printed and appended to benchmarks/RESULTS.md under "## Planner"; `--jsonl FILE` appends each method's
+packing efficiency, cost imbalance and planning time to FILE as result rows (`harness.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import heapq
 import json
 import os
-import platform
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
 from sftflow.tasks.plan.planner import PlanConfig, plan
@@ -241,7 +240,8 @@ METHODS = [
 ]
 
 
-def run(name: str, lengths: np.ndarray) -> list[str]:
+def run(name: str, lengths: np.ndarray) -> tuple[list[str], dict[str, tuple[dict, float]]]:
+    """The Markdown block of one length set, and each method's metrics and planning seconds."""
     stream = np.random.default_rng(0).permutation(len(lengths))
     lines = [
         f"**{name}**: {len(lengths):,} documents, mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
@@ -253,9 +253,9 @@ def run(name: str, lengths: np.ndarray) -> list[str]:
     ]
     results = {}
     for label, fn, padded in METHODS:
-        start = time.perf_counter()
+        timer = harness.Timer().start()
         doc_ids, row_ptr = fn(lengths, stream)
-        seconds = time.perf_counter() - start
+        seconds = timer.stop()
         m = metrics(lengths, doc_ids, row_ptr, padded)
         results[label] = (m, seconds)
         lines.append(
@@ -271,7 +271,27 @@ def run(name: str, lengths: np.ndarray) -> list[str]:
         f"{base['efficiency']:.2%}",
         "",
     ]
-    return lines
+    return lines, results
+
+
+def result_rows(workload: str, results: dict[str, tuple[dict, float]], env: dict) -> list[dict]:
+    """Each method's packing efficiency, attention-cost imbalance (ours against multipack V2's) and planning time."""
+    peer = "multipack V2 (token LPT)"
+    peer_cost = results[peer][0]["cost_imbalance"]
+    workload = f"{NUM_RANKS} ranks x {CAPACITY} tokens, {workload}"
+    rows = []
+    for label, (m, seconds) in results.items():
+        row = dict(benchmark="benchmarks/planner.py", mode=label, env=env, workload=workload)
+        against = dict(peer=peer, peer_value=peer_cost, ratio=m["cost_imbalance"] / peer_cost,
+                       ratio_basis="this / peer cost imbalance") if label == "ours" else {}  # fmt: skip
+        rows += [
+            harness.result_row(metric="packing efficiency", value=100 * m["efficiency"], unit="%", **row),
+            harness.result_row(
+                metric="attention-cost imbalance (mean)", value=m["cost_imbalance"], unit="x", **row, **against
+            ),  # fmt: skip
+            harness.result_row(metric="planning time", value=seconds, unit="s", **row),
+        ]
+    return rows
 
 
 def lognormal_lengths(num_docs: int) -> np.ndarray:
@@ -332,23 +352,30 @@ def main() -> None:
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    env = harness.environment("numpy")
     header = (
-        f"### {datetime.date.today()}: {cpu}, {os.cpu_count()} cores visible, "
-        f"Python {platform.python_version()}, numpy {np.__version__}\n\n"
+        f"### {env['date']}: {env['machine']} visible, "
+        f"Python {env['versions']['python']}, numpy {env['versions']['numpy']}\n\n"
         f"tokens_per_rank={CAPACITY}, {NUM_RANKS} ranks, 1 micro-batch per step, cost L + L²/{CAPACITY}; "
         "planning time is wall time on one core.\n"
     )
     print(header)
-    lines = [header]
+    lines, rows = [header], []
+    sets = []
     if not args.skip_real:
         lengths = real_lengths()
         if lengths is None:
             print(f"{SHARED_DATA} is absent: skipping the real length set")
         else:
-            lines += run("real (5 shared datasets, SmolLM2 ChatML)", lengths)
-    lines += run(f"lognormal (median 600, sigma 1, clip 8192, n={args.num_docs:,})", lognormal_lengths(args.num_docs))
+            sets.append(("real (5 shared datasets, SmolLM2 ChatML)", lengths))
+    sets.append((f"lognormal (median 600, sigma 1, clip 8192, n={args.num_docs:,})", lognormal_lengths(args.num_docs)))
+    for name, lengths in sets:
+        block, results = run(name, lengths)
+        lines += block
+        rows += result_rows(name if "n=" in name else f"{name}, {len(lengths):,} documents", results, env)
+    harness.write_rows(args.jsonl, rows)
     if args.no_record:
         return
     args.results.write_text(append_under_heading(args.results, "## Planner", "\n".join(lines)))

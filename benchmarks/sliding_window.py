@@ -1,11 +1,12 @@
 """Sliding-window attention against full attention on one GPU: what a window saves, ours (triton) and torch varlen.
 
-    python benchmarks/sliding_window.py [--append-results]
+    python benchmarks/sliding_window.py [--append-results] [--jsonl FILE]
 
-Mistral-7B's attention shape (H=32, K=8, D=128), bf16, forward+backward, on one 32768-token document and on a packed
-row of 16384 tokens (lognormal document lengths, median 600, up to 4096), with no window and windows of 4096 (Mistral)
-and 1024 (Gemma 3's local layers). Each windowed output is checked against torch `varlen_attn` with the same window.
-Timed with `triton.testing.do_bench` (median).
+Mistral-7B's attention shape (`mistral-7b` of `sftflow.tasks.shapes`: H=32, K=8, D=128), bf16, forward+backward,
+on one 32768-token document and on a packed row of 16384 tokens (lognormal document lengths, median 600, up to 4096),
+with no window and windows of 4096 (Mistral) and 1024 (Gemma 3's local layers). Each windowed output is checked
+against torch `varlen_attn` with the same window. Timed with `triton.testing.do_bench` (median). `--jsonl FILE`
+appends each row's triton and torch times to FILE as result rows (`harness.py`).
 """
 
 # ruff: noqa: B023 - closures over loop variables are timed inside the same iteration
@@ -13,22 +14,23 @@ Timed with `triton.testing.do_bench` (median).
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention import doc_lengths, matmul_tflops  # noqa: E402
+import harness  # noqa: E402
+from attention import doc_lengths  # noqa: E402
 
 from sftflow.kernels.attention import varlen_attention  # noqa: E402
+from sftflow.tasks.shapes import SHAPES  # noqa: E402
 
-H, K, D = 32, 8, 128
+MISTRAL = SHAPES["mistral-7b"]
+H, K, D = MISTRAL.heads, MISTRAL.kv_heads, MISTRAL.head_dim
 RESULTS = Path(__file__).with_name("RESULTS.md")
+BENCHMARK = "benchmarks/sliding_window.py"
 
 
 def visible_pairs(lengths: list[int], window: int | None) -> int:
@@ -43,13 +45,15 @@ def visible_pairs(lengths: list[int], window: int | None) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--append-results", action="store_true")
+    harness.add_common_args(parser)  # --jsonl
     args = parser.parse_args()
-    peak = matmul_tflops()
+    env = harness.environment()
+    peak = harness.do_bench_matmul_tflops()
     rows = {"one 32k document": [32768], "packed 16k row": doc_lengths(16384)}
+    figures = []
     lines = [
-        f"### Sliding windows, H={H} K={K} D={D} bf16 fwd+bwd ({datetime.date.today()}, "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, python "
-        f"{platform.python_version()}; bf16 matmul {peak:.0f} TFLOP/s)",
+        f"### Sliding windows, H={H} K={K} D={D} bf16 fwd+bwd ({env['date']}, "
+        f"{env['gpu']}, {harness.versions_line(env, 'torch', 'triton', 'python')}; bf16 matmul {peak:.0f} TFLOP/s)",
         "",
         "| row | window | triton ms | torch ms | torch / triton | triton full / windowed | triton useful TFLOP/s |",
         "|---|---|---|---|---|---|---|",
@@ -85,6 +89,16 @@ def main() -> None:
                 f"{flops / times['triton'] / 1e9:.0f} |"
             )
             print(lines[-1], flush=True)
+            workload = f"{row}, window {window or 'none'}; H={H} K={K} D={D} bf16"
+            note = f"fwd+bwd, do_bench median; bf16 matmul {peak:.0f} TFLOP/s in the same run"
+            figures += [
+                harness.result_row(BENCHMARK, "triton", "fwd+bwd time", times["triton"], "ms", env, workload=workload,
+                                   peer="torch varlen_attn", peer_value=times["torch"],
+                                   ratio=times["torch"] / times["triton"], ratio_basis="peer ms / this ms", note=note),
+                harness.result_row(BENCHMARK, "torch varlen_attn", "fwd+bwd time", times["torch"], "ms", env,
+                                   workload=workload, note=note),
+            ]  # fmt: skip
+    harness.write_rows(args.jsonl, figures)
     table = "\n".join(lines) + "\n"
     print(table)
     if args.append_results:

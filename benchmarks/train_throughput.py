@@ -1,7 +1,6 @@
 """End-to-end training throughput on one GPU: sftflow's training step against what users run today.
 
     python benchmarks/train_throughput.py [--modes A,B,C,D,De] [--out DIR]        # the 1B training benchmark (H200)
-    python benchmarks/train_throughput.py --gpu-check DIR                         # the worker check
     python benchmarks/train_throughput.py --preset tiny --device cpu --modes A,D  # CPU smoke run (plumbing only)
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --preset llama8b --modes Cac  # a baseline on 2 GPUs
 
@@ -68,8 +67,9 @@ mode.
 `--jsonl FILE` appends each mode's figures to FILE as result rows (`benchmarks/harness.py`: one JSON line a figure,
 with the date, GPU, versions and commit). The code is in `benchmarks/throughput/`, by mode family: the peers
 (`peer_modes.py`), sftflow's modes (`sftflow_modes.py`), the timed loop they share (`bench.py`), the presets, data
-and batches (`common.py`), the profiler (`profiling.py`), the worker check (`gpu_check.py`), the report
-(`report.py`) and the command line (`run.py`); this file is the entry point.
+and batches (`common.py`), the profiler (`profiling.py`), the report (`report.py`) and the
+command line (`run.py`); this file is the entry point. The real worker under torchrun (crash, resume, export, 1 and
+2 GPUs) is the GPU test `tests/gpu/test_train_crash_resume.py`.
 """
 
 from __future__ import annotations

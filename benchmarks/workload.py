@@ -1,6 +1,7 @@
 """Run a shipped training workload end to end through the `sftflow` commands, and report what a user gets.
 
     python benchmarks/workload.py llama8b-16k [--steps 160] [--warmup 10] [--baseline MODE] [--out DIR] [--set K=V ...]
+                                              [--jsonl FILE]
 
 `benchmarks/workloads/NAME.yaml` is an ordinary run config (the file `sftflow run` and the stage commands take). This
 script writes mock documents of the workload's shape as a dataset index (random tokens, lognormal lengths, loss on
@@ -17,6 +18,8 @@ their step times); the end-to-end rate (every token over the `sftflow train` com
 compilation included); peak memory; and the activation checkpointing `auto` chose. With `--baseline MODE` it then
 runs `benchmarks/train_throughput.py --modes MODE` (under torchrun on as many ranks as the config trains on) on
 documents of the same shape, rows and timed steps, and adds its numbers and the two ratios: one call per comparison.
+`--jsonl FILE` appends the summary's figures (and the baseline's) to FILE as result rows (`harness.py`) once the call
+is done.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import harness
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 # Document shapes of the workloads (the run configs hold no data section: the documents are mock ones).
@@ -42,6 +46,7 @@ WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": 
 # The same model shapes in benchmarks/train_throughput.py, whose modes are the baselines.
 WORKLOAD_PRESET = {"llama8b-16k": "llama8b", "llama1b-64k": "llama1b", "llama8b-64k": "llama8b"}
 BASELINES = Path(__file__).resolve().parent / "train_throughput.py"
+BENCHMARK = "benchmarks/workload.py"
 
 
 def sftflow(*args: str) -> list[str]:
@@ -62,12 +67,12 @@ def mock_documents(docs: str, vocab_size: int, tokens: int, seed: int):
 def run(cmd: list[str], log: Path) -> tuple[int, float, str]:
     """Run `cmd` with its output going to `log` as it is written (a run cut short still leaves what it printed);
     its exit code, wall time and output."""
-    t0 = time.perf_counter()
+    timer = harness.Timer().start()
     with log.open("w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    wall = time.perf_counter() - t0
+    wall = timer.stop()
     return proc.returncode, wall, log.read_text()
 
 
@@ -143,6 +148,7 @@ def main() -> None:
         metavar="MODE",
         help="then run benchmarks/train_throughput.py's MODE (Cac, Clac, Cn, ...) on the same shape, in this call",
     )
+    harness.add_common_args(p)  # --jsonl
     args = p.parse_args()
 
     from sftflow.flows.config import load_config, parse_assignments
@@ -165,9 +171,9 @@ def main() -> None:
     ranks = cfg.train.nproc * cfg.train.nnodes
     tokens = args.steps * cfg.plan.tokens_per_rank * ranks * (cfg.plan.micro_batches_per_step or 1)
     mock = mock_documents(WORKLOAD_DOCS[args.workload], vocab_size, tokens, args.seed)
-    t0 = time.perf_counter()
+    timer = harness.Timer().start()
     write_mock_index(mock, work / "data")
-    data_s = time.perf_counter() - t0
+    data_s = timer.stop()
 
     common = ["--config", str(config_path), "--data", str(work / "data"), *overrides]
     code, plan_s, out = run(sftflow("plan", *common, "--out", str(work / "plan"), "--stats-json"), work / "plan.log")
@@ -194,6 +200,43 @@ def main() -> None:
         summary["ratio_median"] = round(summary["tokens_per_s_median"] / baseline["tokens_per_s_median"], 3)
         summary["ratio_aggregate"] = round(summary["tokens_per_s_aggregate"] / baseline["tokens_per_s_aggregate"], 3)
         report(args, work, summary)
+    harness.write_rows(args.jsonl, result_rows(summary, ranks))
+
+
+# summary key -> (metric, unit), and the baseline's key for the figures it has too
+FIGURES = {
+    "tokens_per_s_median": ("tokens/s median", "tokens/s", "tokens_per_s_median"),
+    "tokens_per_s_aggregate": ("tokens/s aggregate", "tokens/s", "tokens_per_s_aggregate"),
+    "tokens_per_s_end_to_end": ("tokens/s end to end", "tokens/s", None),
+    "mfu_median": ("MFU median (worker estimate)", "fraction", None),
+    "peak_memory_gib": ("peak allocated memory", "GiB", "peak_memory_gib"),
+}
+
+
+def result_rows(summary: dict, ranks: int) -> list[dict]:
+    """The summary's figures as result rows, sftflow's against the baseline's where it ran."""
+    env = harness.environment()
+    baseline = summary.get("baseline")
+    workload = f"{summary['workload']} ({summary['config']}, {ranks} rank(s))"
+    row = dict(env=env, workload=workload, note="; ".join(summary["overrides"]) or None)
+    mode = "sftflow train" + (f", activation checkpointing auto: {summary['activation_checkpointing_auto']}"
+                              if summary["activation_checkpointing_auto"] else "")  # fmt: skip
+    rows = []
+    for key, (metric, unit, peer_key) in FIGURES.items():
+        if summary.get(key) is None:
+            continue
+        peer = {}
+        if baseline and peer_key and baseline.get(peer_key):
+            basis = "this / peer" if unit == "tokens/s" else "this GiB / peer GiB"
+            peer = dict(peer=f"{baseline['mode']}: {baseline['what']}", peer_value=baseline[peer_key],
+                        ratio=summary[key] / baseline[peer_key], ratio_basis=basis)  # fmt: skip
+        rows.append(harness.result_row(BENCHMARK, mode, metric, summary[key], unit, **row, **peer))
+    if baseline:
+        for metric, unit, peer_key in FIGURES.values():
+            if peer_key and baseline.get(peer_key) is not None:
+                rows.append(harness.result_row(BENCHMARK, f"{baseline['mode']}: {baseline['what']}", metric,
+                                               baseline[peer_key], unit, **row))  # fmt: skip
+    return rows
 
 
 def report(args, work: Path, summary: dict) -> None:

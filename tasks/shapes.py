@@ -73,6 +73,12 @@ SHAPES: dict[str, Shape] = {
     "llama3.1-8b": LLAMA3_2_1B.replace(hidden=4096, layers=32, head_dim=128, intermediate=14336, tied=False),
     # The 1B shape as Mistral (sliding-window attention on every layer)
     "mistral-1b": LLAMA3_2_1B.replace(family="mistral", extra=dict(LLAMA3_2_1B.extra, sliding_window=4096)),
+    # Mistral-7B-v0.1's shape (a 4096-token window on every layer): the sliding-window attention benchmark's heads
+    "mistral-7b": Shape(
+        "mistral", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=32000, head_dim=128,
+        tied=False,
+        extra=dict(sliding_window=4096, rope_theta=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-5),
+    ),
     # Qwen2.5-1.5B's shape: an MLP 5.8 times the width, biased q/k/v, 2 KV heads
     "qwen2.5-1.5b": Shape(
         "qwen2", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True,

@@ -37,18 +37,18 @@ FIGURES = {
 
 
 def result_rows(report: dict) -> list[dict]:
-    """One row per figure of each mode that ran (`harness.result_row`), the benchmark named by its preset and row
-    size: `train_throughput/llama1b/16384`."""
+    """One row per figure of each mode that ran (`harness.result_row`), the workload named by its preset and row
+    size: `llama1b, 16384-token rows`."""
     from harness import environment, result_row
 
     env = environment()
     args = report["args"]
-    benchmark = f"train_throughput/{args['preset']}/{args['row_tokens']}"
+    benchmark, workload = "benchmarks/train_throughput.py", f"{args['preset']}, {args['row_tokens']}-token rows"
     rows = []
     for r in report["results"]:
         if not r.get("tokens_per_s"):
             continue
         for key, (metric, unit) in FIGURES.items():
             if r.get(key) is not None:
-                rows.append(result_row(benchmark, r["mode"], metric, r[key], unit, env))
+                rows.append(result_row(benchmark, r["mode"], metric, r[key], unit, env, workload=workload))
     return rows

@@ -30,7 +30,6 @@ from throughput.common import (
     llama_config,
     make_data,
 )
-from throughput.gpu_check import gpu_check
 from throughput.peer_modes import PeerModes
 from throughput.report import markdown, result_rows
 from throughput.sftflow_modes import SftflowModes
@@ -108,12 +107,6 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
     p.add_argument("--out", default=None, help="folder for train_throughput.json/.md and profiles")
     add_common_args(p)  # --jsonl
-    p.add_argument("--gpu-check", default=None, metavar="DIR", help="run the worker check in DIR first")
-    p.add_argument("--gpu-check-only", action="store_true")
-    p.add_argument("--gpu-check-nproc", default="1", help="comma-separated process counts for the worker check")
-    p.add_argument("--gpu-check-model", choices=("small", "llama1b"), default="small")
-    p.add_argument("--gpu-check-steps", type=int, default=30)
-    p.add_argument("--gpu-check-timeout", type=float, default=150.0, help="seconds per torchrun attempt")
     return p.parse_args(argv)
 
 
@@ -129,33 +122,6 @@ def main(argv=None) -> dict:
         "args": vars(args),
         "results": [],
     }
-    if args.gpu_check:
-        checks = {}
-        for nproc in (int(n) for n in args.gpu_check_nproc.split(",")):
-            try:
-                work = Path(args.gpu_check) / f"nproc{nproc}"
-                checks[nproc] = gpu_check(
-                    work,
-                    device=args.device,
-                    out=out,
-                    nproc=nproc,
-                    model=args.gpu_check_model,
-                    steps=args.gpu_check_steps,
-                    timeout_s=args.gpu_check_timeout,
-                )
-            except Exception as err:
-                traceback.print_exc()
-                checks[nproc] = {"error": repr(err)}
-        report["gpu_check"] = checks
-        one, two = checks.get(1, {}).get("tokens_per_s_median"), checks.get(2, {}).get("tokens_per_s_median")
-        if one and two:
-            report["gpu_check_scaling_efficiency_2gpu"] = two / (2 * one)
-            print(f"[gpu-check] 2-GPU scaling efficiency {two / (2 * one):.3f}", flush=True)
-        if out is not None:
-            (out / "train_throughput.json").write_text(json.dumps(report, indent=2))
-        if args.gpu_check_only:
-            return report
-
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = {m for m in modes if not known_mode(m)}
     if unknown:

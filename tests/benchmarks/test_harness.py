@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import harness  # noqa: E402
 
-FIELDS = {"date", "gpu", "versions", "commit", "benchmark", "mode", "metric", "value", "unit"}
+from tests.benchmarks.rows import FIELDS, _results_table  # noqa: E402
 
 
 def test_common_options_are_added_only_where_asked():
@@ -36,8 +36,10 @@ def test_rows_carry_the_environment_and_append_as_json_lines(tmp_path):
     env = harness.environment()
     assert env["versions"]["torch"] and env["versions"]["python"]
     assert env["commit"] is None or len(env["commit"].split("+")[0]) == 40
-    row = harness.result_row("bench", "D", "tokens_per_s", 12.5, "tokens/s", env)
+    row = harness.result_row("bench", "D", "tokens_per_s", 12.5, "tokens/s", env, workload="w", peer="p", ratio=2.0)
     assert set(row) == FIELDS and row["value"] == 12.5 and row["date"] == env["date"]
+    assert row["machine"].endswith(" cores") and (row["workload"], row["peer"], row["ratio"]) == ("w", "p", 2.0)
+    assert _results_table().record_problems(row) == []  # a record the results table takes
     path = tmp_path / "sub" / "rows.jsonl"
     harness.write_rows(path, [row])
     harness.write_rows(path, [dict(row, mode="A")])

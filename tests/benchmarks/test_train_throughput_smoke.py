@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.benchmarks.rows import read_result_rows
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
 
 
@@ -42,10 +44,8 @@ def test_train_throughput_sftflow_mode_runs_on_cpu(tmp_path):
     # a mode's @suffix forces its attention backend, for that mode alone
     assert "attention sdpa" in results["De@sdpa"]["what"] and "compile=off" in results["De@sdpa"]["what"]
     # --jsonl: one row per figure, with the environment it was measured in
-    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    fields = {"date", "gpu", "versions", "commit", "benchmark", "mode", "metric", "value", "unit"}
-    assert all(set(row) == fields for row in rows)
-    assert {row["benchmark"] for row in rows} == {"train_throughput/tiny/256"}
+    rows = read_result_rows(tmp_path / "rows.jsonl", "benchmarks/train_throughput.py")
+    assert {row["workload"] for row in rows} == {"tiny, 256-token rows"}
     speed = {row["mode"]: row["value"] for row in rows if row["metric"] == "tokens_per_s"}
     assert speed == {mode: results[mode]["tokens_per_s"] for mode in results}
     assert all(row["gpu"] is None and row["versions"]["torch"] for row in rows)

@@ -1,6 +1,5 @@
 """Test-only crash injection for training workers, loaded by Python at start-up when this folder is on PYTHONPATH
-(the `inject_crash` fixture in `tests/conftest.py` puts it there; `benchmarks/train_throughput.py --gpu-check` does
-the same).
+(the `inject_crash` fixture in `tests/conftest.py` puts it there).
 
 `SFTFLOW_TEST_CRASH=crash_after_step=N[,rank=R][,lr=X]` makes a worker (`python -m sftflow.tasks.train.worker
 RUN_DIR`) SIGKILL rank R (default: the last) right after optimizer step N and its checkpoint, once per run folder:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.rows import read_result_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "no_prefect_shim"
 
@@ -50,7 +52,7 @@ def test_workload_runs_plan_and_train_without_prefect(tmp_path):
         "--set", "plan.tokens_per_rank=4096", "--set", "train.device=cpu", "--baseline", "B",
         "--set", "train.memory.activation_checkpointing=1", "--set", "train.parallel=single",
         "--set", "train.optimizer.in_backward=true", "--set", "train.optimizer.grad_clip=null",
-        "--set", "train.optimizer.offload=1",
+        "--set", "train.optimizer.offload=1", "--jsonl", str(tmp_path / "rows.jsonl"),
     ]  # fmt: skip
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,3 +79,9 @@ def test_workload_runs_plan_and_train_without_prefect(tmp_path):
     ]
     assert "baseline" not in first and first["tokens_per_s_median"] == summary["tokens_per_s_median"]
     assert last == summary
+    # --jsonl: the summary's figures as result rows, sftflow's against the baseline's
+    rows = read_result_rows(tmp_path / "rows.jsonl", "benchmarks/workload.py")
+    ours = {r["metric"]: r for r in rows if r["mode"].startswith("sftflow train")}
+    assert ours["tokens/s median"]["value"] == summary["tokens_per_s_median"]
+    assert ours["tokens/s median"]["peer_value"] == baseline["tokens_per_s_median"]
+    assert {r["mode"] for r in rows} - {r["mode"] for r in ours.values()} == {f"B: {baseline['what']}"}

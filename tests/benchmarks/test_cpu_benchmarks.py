@@ -1,0 +1,72 @@
+"""The CPU benchmarks at their smallest sizes, each with `--jsonl`: they run, print their tables and write result
+rows that `benchmarks/results_table.py` accepts. Plumbing only; no timing checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sftflow.tasks.shapes import SHAPES
+from tests.benchmarks.rows import BENCHMARKS, read_result_rows
+
+
+def bench(script: str, *args: str, timeout: float = 120) -> str:
+    cmd = [sys.executable, str(BENCHMARKS / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_planner(tmp_path):
+    out = bench("planner.py", "--num-docs", "2000", "--skip-real", "--no-record", "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "| ours | " in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/planner.py")
+    assert len(rows) == 3 * 8  # efficiency, cost imbalance and time of each method
+    ours = [r for r in rows if r["mode"] == "ours" and r["peer"] is not None]
+    assert len(ours) == 1 and ours[0]["ratio"] == ours[0]["value"] / ours[0]["peer_value"]
+    assert all(r["gpu"] is None and r["versions"]["numpy"] for r in rows)
+
+
+def tiny_config(tmp_path) -> str:
+    """A Hugging Face config file of the registry's smallest Llama shape: each mode builds it in a second."""
+    path = tmp_path / "model.json"
+    SHAPES["llama-64x2"].config().to_json_file(str(path))
+    return str(path)
+
+
+def test_export_memory(tmp_path):
+    out = bench("export_memory.py", "--config", tiny_config(tmp_path), "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "| streamed | " in out and "| whole | " in out and "streamed / whole:" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/export_memory.py")
+    assert {(r["mode"], r["metric"]) for r in rows} == {
+        (mode, metric) for mode in ("streamed", "whole") for metric in ("extra host memory", "export time")
+    }
+    assert [r["peer"] for r in rows if r["mode"] == "streamed" and r["metric"] == "export time"] == ["whole"]
+
+
+def test_checkpoint_memory(tmp_path):
+    args = ["--config", tiny_config(tmp_path), "--layers", "1", "--modes", "deferred", "joined"]
+    out = bench("checkpoint_memory.py", *args, "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "| deferred | " in out and "| joined | " in out and "deferred / joined:" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/checkpoint_memory.py")
+    assert len(rows) == 2 * 4 and {r["mode"] for r in rows} == {"deferred", "joined"}
+
+
+def test_load_checkpoint(tmp_path):
+    args = ["--shape", "small", "--ranks", "1", "--baseline-ranks", "--jsonl", str(tmp_path / "r.jsonl")]
+    out = bench("load_checkpoint.py", *args)
+    assert "| 1 | sftflow | " in out and "failed" not in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/load_checkpoint.py")
+    assert [(r["mode"], r["metric"]) for r in rows] == [
+        ("sftflow", "peak host memory, largest rank"),
+        ("sftflow", "load time"),
+    ]
+    assert all(r["workload"].endswith("1 gloo rank(s)") and r["value"] > 0 for r in rows)
+
+
+def test_data_prep(tmp_path):
+    out = bench("data_prep.py", "--limit", "20", "--repeats", "1", "--jsonl", str(tmp_path / "r.jsonl"))
+    assert "HF apply_chat_template" in out and "ratio (ours / baseline)" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/data_prep.py")
+    assert len(rows) == 3 * 2 and sum(r["peer"] is not None for r in rows) == 2  # both of ours against HF's
+    assert all(r["versions"]["tokenizers"] for r in rows)
