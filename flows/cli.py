@@ -23,6 +23,19 @@ _METAVARS = {"path": "PATH", "int": "N", "float": "X", "str": "TEXT"}
 _CHOICES = re.compile(r"^(\w+(?:\|\w+)+)(?::\s*(.*))?$")
 
 
+# click's names for the same types, as typer releases before its own type descriptors report them
+_CLICK_TYPES = {"integer": "int", "text": "str", "file": "path", "directory": "path"}
+
+
+def _type_name(param) -> str:
+    """The option's value type as a bare name (int, float, str, path): typer's own `display_type` where it has one,
+    else click's type name (older typer releases, as GPU images ship them, have only that)."""
+    if hasattr(param, "display_type"):
+        return param.display_type(None).strip("<>").removeprefix("list[").removesuffix("]")
+    name = param.type.name
+    return _CLICK_TYPES.get(name, name)
+
+
 class _Command(TyperCommand):
     """Help that reads as usage: `--task-runner threads|processes|dask`, `--max-length N`, `--force` alone, and options
     a command cannot run without (unless a config file gives them) marked. An option that sets a config field
@@ -43,7 +56,7 @@ class _Command(TyperCommand):
             if choices:
                 param.metavar, param.help = choices.group(1), choices.group(2) or ""
             elif param.metavar is None:
-                kind = param.display_type(None).strip("<>").removeprefix("list[").removesuffix("]")
+                kind = _type_name(param)
                 param.metavar = _METAVARS.get(kind, kind.upper())
             if param.multiple:
                 param.help = f"{param.help} (repeat for more)".strip()

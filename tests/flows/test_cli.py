@@ -280,3 +280,15 @@ def test_every_flow_process_lets_its_openmp_threads_sleep():
         [sys.executable, "-c", probe], env=dict(env, OMP_WAIT_POLICY="ACTIVE"), capture_output=True, text=True
     )
     assert out.stdout.split()[0] == "ACTIVE"
+
+
+def test_option_types_read_as_older_typer_releases_report_them():
+    """Typer releases before its own type descriptors (GPU images ship them) hand the command click's options, with
+    only click's type names: the command's metavars are the same from those."""
+    import click
+
+    from sftflow.flows.cli import _type_name
+
+    options = [click.Option(["--x"], type=t) for t in (int, float, str, click.Path())]
+    assert not any(hasattr(o, "display_type") for o in options)
+    assert [_type_name(o) for o in options] == ["int", "float", "str", "path"]
