@@ -20,6 +20,11 @@ WRITTEN = {
     "llama3.1-8b": ("llama", dict(LLAMA1B, hidden_size=4096, num_hidden_layers=32, head_dim=128,
                                   intermediate_size=14336, tie_word_embeddings=False)),
     "mistral-1b": ("mistral", dict(LLAMA1B, sliding_window=4096)),
+    # Mistral-7B's heads (benchmarks/sliding_window.py)
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                                   tie_word_embeddings=False, sliding_window=4096, rope_theta=10000.0,
+                                   max_position_embeddings=32768, rms_norm_eps=1e-5)),
     "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                                    num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                                    tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
