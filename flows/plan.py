@@ -11,6 +11,7 @@ from sftflow.flows.config import SFTConfig, plan_inputs, resolve_config, with_sh
 from sftflow.flows.data import DataResult, load_data_result
 from sftflow.flows.results import read_stage_result, work_dir_lock, write_stage_result
 from sftflow.tasks.plan.manifest import PlanManifest
+from sftflow.tasks.plan.row_length import read_row_length
 from sftflow.tasks.plan.stage import plan_task
 
 
@@ -36,7 +37,9 @@ def sft_plan(
         manifest = task(data.index, config, str(work), row_length)
         write_stage_result(work, "plan", manifest)
         s = manifest.stats
-        get_run_logger().info("sft-plan: tokens_per_rank %s (%s)", f"{config.tokens_per_rank:,}", row_length.reason)
+        # The reason the plan recorded: a cached plan keeps the one it was first sized with.
+        recorded = read_row_length(manifest.dir) or row_length
+        get_run_logger().info("sft-plan: tokens_per_rank %s (%s)", f"{config.tokens_per_rank:,}", recorded.reason)
         get_run_logger().info(
             "sft-plan: %d steps, efficiency %.2f%%, token imbalance %.3f, cost imbalance %.3f",
             s.num_steps,

@@ -35,6 +35,7 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger("sftflow.train")
+plan_log = logging.getLogger("sftflow.plan")  # the row length is chosen as the plan is made
 GIB = 2**30
 
 
@@ -369,14 +370,14 @@ def resolve_rows(
     how = "without checkpointing" if label == "off" else f"with activation checkpointing {label}"
     how += " and activation offload" if planned.offload else ""
     how += f" at an activation memory budget of {planned.budget:g}" if planned.budget != 1 else ""
-    path = f" a GPU on the fsdp path over {num_ranks} GPUs" if planned.parallel == "fsdp" else ""
+    path = f" per GPU on the fsdp path over {num_ranks} GPUs" if planned.parallel == "fsdp" else ""
     where = f"{state / GIB:.1f} GiB of weights and optimizer state{path} in {free / GIB:.1f} GiB free ({hardware.name})"
     if tokens < fits:
         reason = f"auto: the model's {limit:,} positions, shorter than the longest row that fits {how}: {where}"
     else:
         reason = f"auto: the longest row that fits {how}: {where}"
     choice = Choice(tokens, "auto", reason)
-    logging.getLogger("sftflow.plan").info("tokens_per_rank: %s (%s)", f"{tokens:,}", reason)
+    plan_log.info("tokens_per_rank: %s (%s)", f"{tokens:,}", reason)
     return choice
 
 

@@ -105,6 +105,20 @@ def test_the_rows_are_the_ones_planned_before(name):
     assert (choice.value, choice.setting) == (tokens, "auto")
 
 
+def test_a_data_vocabulary_larger_than_the_models_is_sized_as_the_worker_grows_it():
+    """The worker grows the embeddings and the head to the data's vocabulary where it is larger than the model's
+    (`meta_model`), so the rows are sized beside those bigger matrices: shorter than for the model's own vocabulary
+    (row sizing before it moved into the resolved run counted the model's own for every model but a preset)."""
+    own = resolve_rows(
+        TrainOptions(model=LLAMA8B), gpu(H200), setting="auto", num_ranks=1, vocab_size=128_256, accumulating=False
+    )
+    grown = resolve_rows(
+        TrainOptions(model=LLAMA8B), gpu(H200), setting="auto", num_ranks=1, vocab_size=160_000, accumulating=False
+    )
+    assert own.value == BEFORE["off"][4] and grown.value < own.value
+    assert meta_model(TrainOptions(model=LLAMA8B), 160_000).get_input_embeddings().num_embeddings == 160_000
+
+
 def test_rows_grow_with_checkpointing_ranks_and_lora_and_match_the_estimate():
     off, full, two, lora, half, offload = (
         rows(BEFORE[name][0], BEFORE[name][1]).value for name in ("off", "full", "two", "lora", "half", "offload")
@@ -208,8 +222,8 @@ def test_the_reason_says_why_the_rows_have_their_length():
         "GiB free (NVIDIA H200)"
     )
     assert rows(BEFORE["two"][0], 2).reason == (
-        "auto: the longest row that fits without checkpointing: 60.8 GiB of weights and optimizer state a GPU on the "
-        "fsdp path over 2 GPUs in 139.3 GiB free (NVIDIA H200)"
+        "auto: the longest row that fits without checkpointing: 60.8 GiB of weights and optimizer state per GPU on "
+        "the fsdp path over 2 GPUs in 139.3 GiB free (NVIDIA H200)"
     )
     assert rows(BEFORE["offload"][0]).reason.startswith(
         "auto: the model's 131,072 positions, shorter than the longest row that fits with activation checkpointing "
