@@ -13,7 +13,8 @@
 # FA4 and gradient checkpointing), workload_8b_16k (the same 8B run as a user runs it, `sftflow plan` and
 # `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
 # optimizer in the backward and 8 layers' moments on the host, its fastest measured setting), workload_1b_64k (the 1B
-# at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing) and tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
+# at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing) and tests_gpu
+# (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in

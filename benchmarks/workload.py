@@ -42,9 +42,14 @@ DOCS = {
     "packed": dict(median_length=600, sigma=1.0, min_length=16, max_length=4096),
     "long": dict(median_length=16384, sigma=0.7, min_length=4096, max_length=65536),
 }
-WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": "long"}
+WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": "long"}
 # The same model shapes in benchmarks/train_throughput.py, whose modes are the baselines.
-WORKLOAD_PRESET = {"llama8b-16k": "llama8b", "llama1b-64k": "llama1b", "llama8b-64k": "llama8b"}
+WORKLOAD_PRESET = {
+    "llama8b-16k": "llama8b",
+    "llama1b-16k": "llama1b",
+    "llama1b-64k": "llama1b",
+    "llama8b-64k": "llama8b",
+}
 BASELINES = Path(__file__).resolve().parent / "train_throughput.py"
 BENCHMARK = "benchmarks/workload.py"
 
