@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -343,11 +344,24 @@ def explain_validation_error(err: ValidationError, model: type[BaseModel]) -> st
     return explain_errors(err.errors(), model)
 
 
+# A part of an error's location that names a union's member (`constrained-int`, `literal['auto']`, `int`), not a key.
+_KEY_PART = re.compile(r"[A-Za-z_]\w*|\d+")
+_TYPE_NAMES = {"int", "float", "str", "bool", "none", "list", "dict", "tuple", "bytes"}
+
+
+def _key_path(loc: tuple) -> list[str]:
+    """An error's location as the user's keys: the members of a union (`int | "auto"`) left out."""
+    parts = [str(part) for part in loc]
+    return [p for p in parts if _KEY_PART.fullmatch(p) and p not in _TYPE_NAMES]
+
+
 def explain_errors(errors: list, model: type[BaseModel]) -> str:
-    """`explain_validation_error` for some of a `ValidationError`'s errors."""
-    problems = []
+    """`explain_validation_error` for some of a `ValidationError`'s errors: one problem per key, the messages of a
+    union's members joined with "or"."""
+    problems: list[str] = []
+    by_key: dict[str, list[str]] = {}  # a value no member of a union takes: one problem naming what each wants
     for error in errors:
-        loc = [str(part) for part in error["loc"]]
+        loc = _key_path(error["loc"])
         where = ".".join(loc)
         moved = _moved_key(model, loc)
         if error["type"] == "extra_forbidden" and moved is not None:
@@ -360,9 +374,19 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
             else:
                 hint = f"; expected one of {', '.join(valid)}" if valid else ""
             problems.append(f"unknown key '{where}'{hint}")
+        elif where in by_key:
+            by_key[where].append(error["msg"])
         else:
-            problems.append(f"'{where}': {error['msg']}" if where else error["msg"])
-    return "; ".join(problems)
+            by_key[where] = [error["msg"]]
+            problems.append(where)
+    return "; ".join(_problem(p, by_key) for p in problems)
+
+
+def _problem(problem: str, by_key: dict[str, list[str]]) -> str:
+    if problem not in by_key:
+        return problem
+    msg = " or ".join(dict.fromkeys(by_key[problem]))
+    return f"'{problem}': {msg}" if problem else msg
 
 
 def _moved_key(model: type[BaseModel], loc: list[str]) -> str | None:

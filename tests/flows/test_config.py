@@ -127,3 +127,16 @@ def test_the_sft_flow_refuses_a_bad_override_before_any_stage(tmp_path):
         error = state.result(raise_on_failure=False)
         assert isinstance(error, ValueError) and message in str(error) and "\n" not in str(error)
     assert not (tmp_path / "work").exists()
+
+
+def test_a_value_no_member_of_a_union_takes_is_one_problem_naming_the_key():
+    """`tokens_per_rank: int | "auto"`: the error names the user's key, not pydantic's union members, and says what
+    each member takes."""
+    from sftflow.flows.config import load_config
+
+    with pytest.raises(ValueError) as err:
+        load_config(None, {"plan.tokens_per_rank": "many"})
+    message = str(err.value)
+    assert "\n" not in message and "constrained" not in message and "literal" not in message
+    assert "'plan.tokens_per_rank': Input should be a valid integer" in message
+    assert message.endswith("or Input should be 'auto'")
