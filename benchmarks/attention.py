@@ -30,6 +30,7 @@ import os
 import platform
 from unittest import mock
 
+import harness
 import numpy as np
 import torch
 import triton
@@ -107,6 +108,27 @@ def variant_env(name: str):
     return mock.patch.dict(os.environ, changes)
 
 
+def figure_rows(rows: list[tuple], base: dict, rate: float, workload: str) -> list[dict]:
+    """`rows` (one per shape and variant) as result rows: fwd+bwd milliseconds against torch's `varlen_attn` in the
+    same process, and the share of the bf16 matmul rate measured there."""
+    env, out = harness.environment(), []
+    for H, K, D, name, _ms_f, _tf_f, ms_fb, tf_fb, _err in rows:
+        b = base.get((H, K, D))
+        shape = f"{workload}, H={H} K={K} D={D}"
+        out.append(harness.result_row(
+            "benchmarks/attention.py", name, "fwd+bwd time", round(ms_fb, 4), "ms", env, workload=shape,
+            peer="torch varlen_attn" if b and name != "torch" else None,
+            peer_value=round(b[6], 4) if b and name != "torch" else None,
+            ratio=round(b[6] / ms_fb, 3) if b and name != "torch" else None,
+            ratio_basis="peer ms / this ms" if b and name != "torch" else None,
+        ))  # fmt: skip
+        out.append(harness.result_row(
+            "benchmarks/attention.py", name, "share of the bf16 matmul rate", round(100 * tf_fb / rate, 1), "%", env,
+            workload=shape, note=f"bf16 matmul {rate:.0f} TFLOP/s in the same process",
+        ))  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", choices=sorted(DOCS), default="packed")
@@ -114,7 +136,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["triton", "torch"])
     parser.add_argument("--sweep", action="store_true", help="time block-shape configs of our kernel at every shape")
     parser.add_argument("--shapes", default=None, help="H,K,D[;H,K,D...]: only these shapes (default: all four)")
-    parser.add_argument("--out", default=None)
+    harness.add_common_args(parser, out="append the Markdown table to this file")  # --out, --jsonl
     parser.add_argument(
         "--rounds",
         type=int,
@@ -216,6 +238,8 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
+    workload = f"T={T} {args.docs} rows, {len(lengths)} docs, causal varlen, bf16"
+    harness.write_rows(args.jsonl, figure_rows(rows, base, rate, workload))
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n\n")

@@ -70,3 +70,24 @@ def test_data_prep(tmp_path):
     rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/data_prep.py")
     assert len(rows) == 3 * 2 and sum(r["peer"] is not None for r in rows) == 2  # both of ours against HF's
     assert all(r["versions"]["tokenizers"] for r in rows)
+
+
+def test_attention_rows(tmp_path):
+    """`benchmarks/attention.py` times on a GPU; its `--jsonl` rows, made here from a table of figures as it
+    measures them (shape, variant, fwd ms, fwd TFLOP/s, fwd+bwd ms, fwd+bwd TFLOP/s, error)."""
+    measured = [
+        (16, 4, 128, "torch", 1.0, 300.0, 1.8, 400.0, 0.0),
+        (16, 4, 128, "flash_attn_4", 0.5, 600.0, 1.0, 690.0, 1e-3),
+    ]
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); sys.argv = ['benchmarks/attention.py', '--jsonl']; "
+        "import attention, harness; "
+        f"rows = {measured!r}; base = {{(16, 4, 128): rows[0]}}; "
+        f"harness.write_rows({str(tmp_path / 'r.jsonl')!r}, attention.figure_rows(rows, base, 690.0, 'T=16384 packed'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/attention.py")
+    fa4 = [r for r in rows if r["mode"] == "flash_attn_4" and r["unit"] == "ms"]
+    assert len(rows) == 4 and fa4[0]["ratio"] == 1.8 and fa4[0]["peer_value"] == 1.8
+    assert [r["value"] for r in rows if r["unit"] == "%"] == [58.0, 100.0]
