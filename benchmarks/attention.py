@@ -113,14 +113,12 @@ def figure_rows(rows: list[tuple], base: dict, rate: float, workload: str) -> li
     same process, and the share of the bf16 matmul rate measured there."""
     env, out = harness.environment(), []
     for H, K, D, name, _ms_f, _tf_f, ms_fb, tf_fb, _err in rows:
-        b = base.get((H, K, D))
+        peer = base.get((H, K, D)) if name != "torch" else None  # torch's row of the same shape
         shape = f"{workload}, H={H} K={K} D={D}"
         out.append(harness.result_row(
             "benchmarks/attention.py", name, "fwd+bwd time", round(ms_fb, 4), "ms", env, workload=shape,
-            peer="torch varlen_attn" if b and name != "torch" else None,
-            peer_value=round(b[6], 4) if b and name != "torch" else None,
-            ratio=round(b[6] / ms_fb, 3) if b and name != "torch" else None,
-            ratio_basis="peer ms / this ms" if b and name != "torch" else None,
+            peer="torch varlen_attn" if peer else None, peer_value=round(peer[6], 4) if peer else None,
+            ratio=round(peer[6] / ms_fb, 3) if peer else None, ratio_basis="peer ms / this ms" if peer else None,
         ))  # fmt: skip
         out.append(harness.result_row(
             "benchmarks/attention.py", name, "share of the bf16 matmul rate", round(100 * tf_fb / rate, 1), "%", env,

@@ -358,14 +358,15 @@ def _key_path(loc: tuple) -> list[str]:
 def explain_errors(errors: list, model: type[BaseModel]) -> str:
     """`explain_validation_error` for some of a `ValidationError`'s errors: one problem per key, the messages of a
     union's members joined with "or"."""
-    problems: list[str] = []
-    by_key: dict[str, list[str]] = {}  # a value no member of a union takes: one problem naming what each wants
+    # In first-seen order: a whole problem for a key that is unknown or moved, and for a value, the messages of all
+    # that it failed at one key (each member of a union): one problem naming what each member takes.
+    problems: dict[tuple[str, str], list[str]] = {}
     for error in errors:
         loc = _key_path(error["loc"])
         where = ".".join(loc)
         moved = _moved_key(model, loc)
         if error["type"] == "extra_forbidden" and moved is not None:
-            problems.append(f"'{where}' is now '{moved}'")
+            problems[("text", f"'{where}' is now '{moved}'")] = []
         elif error["type"] == "extra_forbidden":
             valid = _field_names(model, loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=3, cutoff=0.6)
@@ -373,20 +374,14 @@ def explain_errors(errors: list, model: type[BaseModel]) -> str:
                 hint = f"; did you mean {' or '.join(repr('.'.join([*loc[:-1], c])) for c in close)}?"
             else:
                 hint = f"; expected one of {', '.join(valid)}" if valid else ""
-            problems.append(f"unknown key '{where}'{hint}")
-        elif where in by_key:
-            by_key[where].append(error["msg"])
+            problems[("text", f"unknown key '{where}'{hint}")] = []
         else:
-            by_key[where] = [error["msg"]]
-            problems.append(where)
-    return "; ".join(_problem(p, by_key) for p in problems)
-
-
-def _problem(problem: str, by_key: dict[str, list[str]]) -> str:
-    if problem not in by_key:
-        return problem
-    msg = " or ".join(dict.fromkeys(by_key[problem]))
-    return f"'{problem}': {msg}" if problem else msg
+            problems.setdefault(("value", where), []).append(error["msg"])
+    lines = []
+    for (kind, text), messages in problems.items():
+        msg = " or ".join(dict.fromkeys(messages))
+        lines.append(text if kind == "text" else f"'{text}': {msg}" if text else msg)
+    return "; ".join(lines)
 
 
 def _moved_key(model: type[BaseModel], loc: list[str]) -> str | None:
