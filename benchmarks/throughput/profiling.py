@@ -60,7 +60,7 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool 
         trace_path.unlink()
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = averages.table(sort_by=sort_key, row_limit=60, max_name_column_width=90)
+    table = averages.table(sort_by=sort_key, row_limit=150, max_name_column_width=90)
     kernels = []
     for event in averages:  # device-side events only (kernels, memcpys): operator rows repeat their kernels' time
         t = getattr(event, "self_device_time_total", 0) or 0
@@ -71,6 +71,8 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool 
         k = key.lower()
         if "flash_attn" in k:  # FlashAttention-4's CuTe kernels, whose names also hold "cutlass" and "sm90"
             group = "attention"
+        elif "triton_" in k and "fused" in k:  # before copies: inductor names its casts `..._to_copy_...`
+            group = "inductor fused (compiled layers)"
         elif "nccl" in k or "memcpy" in k or "memset" in k or "copy" in k:
             group = "copies/nccl"
         elif "gemm" in k or "nvjet" in k or "cutlass" in k or "sm90" in k or "xmma" in k or "cublas" in k:
@@ -79,8 +81,6 @@ def profile_steps(step_fn, steps, device: torch.device, path: Path, trace: bool 
             group = "attention"
         elif "ce_" in k or "cross" in k or "softmax" in k:
             group = "cross-entropy / softmax"
-        elif "triton_" in k and "fused" in k:
-            group = "inductor fused (compiled layers)"
         elif "adam" in k or "foreach" in k or "multi_tensor" in k:
             group = "optimizer / foreach"
         elif "triton" in k:
