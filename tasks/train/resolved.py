@@ -94,7 +94,7 @@ class ResolvedRun:
         values = {k: Choice(**v) if isinstance(v, dict) else v for k, v in data.items() if k != "hardware"}
         return cls(hardware=Hardware(**hw), **values)
 
-    def table(self, lora: str | None = None) -> list[str]:
+    def table(self) -> list[str]:
         """The resolved run as short lines: `setting: value (why)`."""
         from sftflow.tasks.train.activations import checkpointing_label
 
@@ -116,8 +116,7 @@ class ResolvedRun:
         ]
         if self.template is not None:
             rows.append(("template", self.template.value, self.template.reason))
-        lines = [f"{name}: {value}" + (f" ({why})" if why else "") for name, value, why in rows]
-        return lines + ([lora] if lora else [])
+        return [f"{name}: {value}" + (f" ({why})" if why else "") for name, value, why in rows]
 
 
 def _layers_label(mode: str | int, num_layers: int) -> str:
