@@ -68,12 +68,12 @@ for s in $STEPS; do
       --warmup 3 --profile-steps 0 --out "$LOG/$s" ;;
     train_8b_full_16k_dac) step "$s" 400 $TT --preset llama8b --modes Dac --steps 100 --compile-warmup 6 --warmup 3 \
       --profile-steps 0 --out "$LOG/$s" ;;
-    workload_8b_16k) step "$s" 590 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
+    workload_8b_16k) step "$s" 800 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --baseline Cac@fa4 --work /tmp/wl8b --out "$LOG/$s" ;;
     workload_8b_16k_inbwd) step "$s" 420 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --set train.optimizer.in_backward=true --set train.optimizer.grad_clip=null --set train.optimizer.offload=8 \
       --work /tmp/wl8b-inbwd --out "$LOG/$s" ;;
-    workload_1b_64k) step "$s" 590 python3 benchmarks/workload.py llama1b-64k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
+    workload_1b_64k) step "$s" 800 python3 benchmarks/workload.py llama1b-64k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --baseline Cnac@fa4 --work /tmp/wl1b --out "$LOG/$s" ;;
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     cost_table) step "$s" 480 python3 benchmarks/cost_table.py --preset llama1b --steps 4 --warmup 1 \
