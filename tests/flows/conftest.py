@@ -3,7 +3,9 @@ temporary folder, since the harness does not isolate results."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections import defaultdict
 
 import pytest
@@ -19,6 +21,24 @@ def prefect_harness(tmp_path_factory):
     with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results)}):
         with prefect_test_harness(server_startup_timeout=120):
             yield
+
+
+@pytest.fixture(autouse=True)
+def prefect_console_on_a_live_stream():
+    """Prefect rebuilds its logging handlers when its API app is created (`create_app` calls `setup_logging`); a CLI
+    test under typer's `CliRunner` that does so leaves the console handler writing to the runner's stream, closed
+    once the test ends, and every later test's flow-run log then fails. Point such a handler back at stderr."""
+    yield
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one first
+                handler.console.file = sys.stderr
 
 
 _STAGE_OF_TASK = {
