@@ -88,6 +88,9 @@ def prefect_server(tmp_path_factory):
         PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED="true",
         PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED="true",
         COLUMNS="250",  # `--watch` prints through rich, which wraps lines at the terminal width
+        # serve.py's runner looks for scheduled runs every 10 s by default: each `deployment run` (and each retry)
+        # would wait up to that long to start. The runner still polls the real API, only more often.
+        PREFECT_RUNNER_POLL_FREQUENCY="1",
     )
     with prefect_server_on(env, home / "server.log", 180) as (env, _):
         yield env

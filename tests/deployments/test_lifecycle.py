@@ -87,7 +87,10 @@ def _api(env: dict, path: str, body: dict | None = None):
 
 @contextmanager
 def _second_server(env: dict, folder: Path) -> Iterator[tuple[dict, subprocess.Popen]]:
-    """Another `prefect server` on the database of `env`'s: (the environment that reaches it, its process)."""
+    """Another `prefect server` on the database of `env`'s: (the environment that reaches it, its process). The
+    commands that reach it give up on it after 3 s without an answer instead of the default 10 s: the tests kill it,
+    and a killed server refuses connections at once (a slow one still counts as reachable)."""
+    env = dict(env, SFTFLOW_API_LOST_TIMEOUT="3")
     with prefect_server_on(env, folder / "server.log", 120) as (env, server):
         yield env, server
 
@@ -153,6 +156,9 @@ def test_a_served_run_that_lost_its_api_ends_and_lets_go_of_the_work_folder(pref
         assert f"error: lost the Prefect API at {env['PREFECT_API_URL']}: " in log.read_text(), log.read_text()[-3000:]
         _lock_released(tmp_path / "work")
         wait_for(lambda: not _workers_under(tmp_path / "work"), 15, "the training workers to exit")
+        # serve.py itself is not under test: stopped gracefully, it would spend `stop`'s 20 s grace period retrying
+        # the lost API to pause its deployments.
+        _kill(serve)
 
 
 def test_a_lost_api_ends_sftflow_run_with_one_line_naming_it(prefect_server, tmp_path):

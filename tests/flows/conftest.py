@@ -14,11 +14,19 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def prefect_harness(tmp_path_factory):
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.settings import (
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        temporary_settings,
+    )
     from prefect.testing.utilities import prefect_test_harness
 
     results = tmp_path_factory.mktemp("prefect-results")
-    with temporary_settings({PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results)}):
+    # No flow run heartbeats in this process: each flow run (every subflow of `sft` too) otherwise ends by joining
+    # its heartbeat thread out of a 1 s sleep, about a second per run for a signal only a server's crash detection
+    # reads. Runs that a runner starts (tests/deployments) and the `sftflow` commands run as processes keep them.
+    settings = {PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results), PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    with temporary_settings(settings):
         with prefect_test_harness(server_startup_timeout=120):
             yield
 
