@@ -14,8 +14,8 @@
 # `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
 # optimizer in the backward and 8 layers' moments on the host, its fastest measured setting), workload_1b_64k (the 1B
 # at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing), cost_table (the
-# planner's cost table for the 1B at 64k rows on this GPU) and tests_gpu (tests/gpu: the training stage through its
-# launcher, crash, resume, export).
+# planner's cost table for the 1B at 64k rows on this GPU; cost_table_quick: five lengths, 3 steps each) and
+# tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).
 # Each writes LOGDIR/<step>.log (and its benchmark's JSON/Markdown) and appends
 # "<step> rc=<code> <seconds>s" to LOGDIR/progress.txt; LOGDIR/DONE marks the end. Steps run under `timeout`, so one
 # that hangs costs its limit and no more. Figures from it are recorded in
@@ -78,6 +78,8 @@ for s in $STEPS; do
     train_32k_long_triton) step "$s" 300 $TT --modes D@triton --steps 40 $LONG32 --out "$LOG/$s" ;;
     cost_table) step "$s" 480 python3 benchmarks/cost_table.py --preset llama1b --steps 4 --warmup 1 \
       --jsonl "$LOG/rows.jsonl" --out "$LOG/$s" ;;
+    cost_table_quick) step "$s" 300 python3 benchmarks/cost_table.py --preset llama1b --steps 3 --warmup 1 \
+      --lengths 256,1024,4096,16384,65536 --jsonl "$LOG/rows.jsonl" --out "$LOG/$s" ;;
     attention_packed) step "$s" 300 $ATT --docs packed --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     attention_long) step "$s" 300 $ATT --docs long --shapes "$SHAPES" --out "$LOG/attention.md" ;;
     tests_families) step "$s" 480 python3 -m pytest -q tests/tasks/train/test_families.py -k flash_attn_4 -p no:cacheprovider ;;
