@@ -71,19 +71,31 @@ def _stage(run) -> str:
 
 
 def _read_task_runs(**filters) -> list:
-    """Task runs matching `filters`, once each has a final state: states are recorded from events, so for a moment
-    after a flow returns a run can still show none."""
+    """Task runs matching `filters`, once each has a final state and no more appear. Task runs reach the API as
+    events, recorded by the server after the flow has returned: for a moment a run can still show no state, or not
+    exist yet. So this sends the events still queued in this process, then reads until every run is final and the
+    count has held for half a second."""
+    import inspect
     import time
 
     from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
 
+    drained = EventsWorker.drain_all(timeout=10, at_exit=False)
+    if inspect.isawaitable(drained):  # only in an async context, which these tests are not
+        raise RuntimeError("_read_task_runs is for synchronous tests")
     deadline = time.monotonic() + 15
+    count, since = -1, time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_task_runs(**filters)
-            if all(run.state is not None and run.state.is_final() for run in runs) or time.monotonic() > deadline:
+            now = time.monotonic()
+            if len(runs) != count:
+                count, since = len(runs), now
+            final = all(run.state is not None and run.state.is_final() for run in runs)
+            if final and now - since >= 0.5 or now > deadline:
                 return runs
-            time.sleep(0.2)
+            time.sleep(0.1)
 
 
 def _flow_task_runs(flow_state) -> list:
