@@ -4,17 +4,18 @@ Prefect's client retries a lost API for minutes at each call (a task's state, a 
 then ends with the state it last had (`Finished in state Running()`), while background threads keep the process
 alive. A command (`sftflow run`, `data`, `plan`, `promote`) cannot record anything without its API, so the watch
 below probes it every second while the command's flows run; once no probe has reached it for
-`SFTFLOW_API_LOST_TIMEOUT` seconds (default 10) it prints
+`SFTFLOW_API_LOST_TIMEOUT` seconds (default 10) it stops the training processes this process started (their
+checkpoints stay: a rerun resumes from the latest), prints as the command's last line
 
     error: lost the Prefect API at http://127.0.0.1:4321/api: <why>; ...
 
-stops the training processes this process started (their checkpoints stay: a rerun resumes from the latest) and
-exits with code 1, which releases the work folder's lock. Any HTTP answer counts as reachable, and so does a server
+and exits with code 1, which releases the work folder's lock. Any HTTP answer counts as reachable, and so does a server
 that takes the connection but is slow to answer: a busy server is not a lost one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -75,15 +76,18 @@ class APIWatch:
 
 
 def exit_lost(url: str, reason: str) -> None:
-    """Say which API was lost and why, stop this process's training, and exit 1 without waiting on the API."""
+    """Stop this process's training, say which API was lost and why, and exit 1 without waiting on the API."""
+    launch = sys.modules.get("sftflow.tasks.train.launch")
+    if launch is not None:  # training ran in this process: stop it before its launcher goes
+        launch.stop_running_training()
+    # The line comes last: stopping the training makes other threads log (its last output lines, the train task's
+    # failure), so their logging is switched off first and nothing can print after it.
+    logging.disable(logging.CRITICAL)
     sys.stderr.write(
         f"error: lost the Prefect API at {url}: {reason}; nothing more of this run can be recorded, so it stopped "
         "(a rerun resumes training from its latest checkpoint)\n"
     )
     sys.stderr.flush()
-    launch = sys.modules.get("sftflow.tasks.train.launch")
-    if launch is not None:  # training ran in this process: stop it before its launcher goes
-        launch.stop_running_training()
     # Not `sys.exit`: the engine's `finally` blocks and Prefect's exit hooks would call the API and retry for minutes.
     os._exit(1)
 
