@@ -36,7 +36,9 @@ worker (FSDP2 `fully_shard` per decoder layer and on the root, world size 1, bf1
   on one GPU, no FSDP: bf16 parameters and `MasterAdamW` with fp32 masters) and
   `sftflow.tasks.train.worker.train_step` (`RankBatches` rows through the collators; `CausalLMLoss`: sftflow varlen
   attention + fused linear CE, loss / the plan's step trained-token count; clip folded into the optimizer kernel;
-  one host sync for the step's statistics), then the scheduler and `MetricsLogger`.
+  one host sync for the step's statistics), then the scheduler and `MetricsLogger`. (The worker itself queues step
+  s + 1 before it reads step s's statistics; timed here step by step, that overlap does not show: the end-to-end
+  figures of `benchmarks/workload.py` hold it.)
 - **De**: D with `compile="off"` (eager), to show what compilation buys.
 - **Df**: D with `parallel="fsdp"` (FSDP2 at world size 1 and torch's fused AdamW, D before the one-device path).
 - **L** / **Lp**: LoRA, rank 16 on every linear layer of the decoder: L is D with `train.lora` (the worker's

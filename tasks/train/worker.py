@@ -270,7 +270,37 @@ class StepTotals:
     cells: list[float] = field(default_factory=list)  # the flat (3, cells) breakdown table, summed over ranks
 
 
-def train_step(
+class PendingTotals:
+    """A step's totals on their way to the host. On CUDA they are copied into pinned memory behind the step's last
+    kernel and `result()` waits for that copy alone, so the loop can queue the next step before it reads them: the
+    device then never drains between steps. Elsewhere they are read at once."""
+
+    def __init__(self, totals: torch.Tensor):
+        self.event = None
+        if totals.device.type == "cuda":
+            self.values = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+            self.values.copy_(totals, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = totals
+
+    def result(self) -> StepTotals:
+        with record_function("sftflow.step_totals"):
+            if self.event is not None:
+                self.event.synchronize()
+            loss_sum, targets, tokens, sum_sq, *cells, norm_value = self.values.tolist()
+        return StepTotals(
+            loss_sum=loss_sum,
+            targets=int(targets),
+            tokens=int(tokens),
+            sum_sq_doc_lengths=sum_sq,
+            grad_norm=norm_value,
+            cells=cells,
+        )
+
+
+def queue_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[dict],
@@ -281,12 +311,12 @@ def train_step(
     host_work=None,
     num_cells: int = 0,
     span: AttentionSpan = AttentionSpan(),
-) -> StepTotals:
-    """The training step, as the worker runs it (and `benchmarks/train_throughput.py` times it): forward and
-    backward over this rank's micro-batches, clip + AdamW, and one host sync for the step's totals.
+) -> PendingTotals:
+    """The training step, as the worker runs it: forward and backward over this rank's micro-batches, clip + AdamW,
+    everything queued on the device and nothing waited for; the step's totals come back as `PendingTotals`.
 
-    `host_work()`, if given, runs once everything is queued and before that sync, so host work such as collating the
-    next step's micro-batches overlaps the device's backward and optimizer instead of leaving the device idle."""
+    `host_work()`, if given, runs once everything is queued, so host work such as collating the next step's
+    micro-batches overlaps the device's backward and optimizer instead of leaving the device idle."""
     # The labelled ranges show where the host spends each step in a profiler trace (~1 us each when not profiling).
     with record_function("sftflow.forward_backward"):
         local = forward_backward(model, batches, step_loss_tokens, device, num_cells, span)
@@ -296,20 +326,16 @@ def train_step(
         norm = optimizer_step(model, optimizer, max_norm)
         optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(local)
-    totals = torch.cat([local, norm.double().reshape(1)])  # queued before the host work: the device need not wait
+    pending = PendingTotals(torch.cat([local, norm.double().reshape(1)]))  # queued before the host work
     if host_work is not None:
         with record_function("sftflow.host_work"):
             host_work()
-    with record_function("sftflow.step_totals"):
-        loss_sum, targets, tokens, sum_sq, *cells, norm_value = totals.tolist()
-    return StepTotals(
-        loss_sum=loss_sum,
-        targets=int(targets),
-        tokens=int(tokens),
-        sum_sq_doc_lengths=sum_sq,
-        grad_norm=norm_value,
-        cells=cells,
-    )
+    return pending
+
+
+def train_step(*args, **kwargs) -> StepTotals:
+    """`queue_step` and then its totals: one step with one host sync at its end (what `benchmarks/` times)."""
+    return queue_step(*args, **kwargs).result()
 
 
 class Prefetch:
@@ -513,8 +539,8 @@ def build_run(run_dir: Path) -> Run:
     )  # fmt: skip
 
 
-def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None:
-    """Train optimizer step `step` (0-based); None for a step without trained tokens, which every rank skips
+def queue_run_step(run: Run, step: int, step_loss_tokens: int) -> PendingTotals | None:
+    """Queue optimizer step `step` (0-based); None for a step without trained tokens, which every rank skips
     together (they all read the same plan) after one all-reduce that keeps them in step."""
     num_cells = run.breakdown.num_cells if run.breakdown is not None else 0
     if step_loss_tokens == 0:  # the same size as a trained step's all-reduce, which the other ranks make
@@ -524,7 +550,7 @@ def step_totals(run: Run, step: int, step_loss_tokens: int) -> StepTotals | None
     if step + 1 in run.config.save_grads_at_steps:
         grads_path = run.run_dir / "debug" / f"grads-step-{step + 1}.safetensors"
         save_grads = partial(save_full_grads, run.lm, run.optimizer, grads_path, run.env)
-    return train_step(
+    return queue_step(
         run.model,
         run.optimizer,
         run.prefetch.take(step),
@@ -562,19 +588,24 @@ def train(run_dir: Path) -> None:
         raise full from err
 
 
-def _train(run: Run, watch: MemoryWatch) -> None:
-    plan, progress, config = run.plan, run.progress, run.config
-    nonfinite_in_a_row = 0
-    for step in range(progress.step, run.total_steps):
-        watch.where = f"in step {step + 1}"
-        t0 = time.perf_counter()
-        step_loss_tokens = int(plan.step_loss_tokens[step])
-        totals = step_totals(run, step, step_loss_tokens)
+class Bookkeeping:
+    """What the loop does with a step's totals once they are read: check them against the plan, count non-finite
+    steps, advance the progress and log the step's metrics."""
+
+    def __init__(self, run: Run, watch: MemoryWatch):
+        self.run, self.watch = run, watch
+        self.nonfinite_in_a_row = 0
+
+    def finish(self, queued: QueuedStep) -> float:
+        """Read `queued`'s totals and account for the step; returns the time it ended (the next step's start)."""
+        run, step, step_loss_tokens = self.run, queued.step, queued.step_loss_tokens
+        where, self.watch.where = self.watch.where, f"in step {step + 1}"
+        totals = queued.totals.result() if queued.totals is not None else None
         skipped = "no trained tokens in this step" if totals is None else None
         if totals is not None and totals.targets != step_loss_tokens:
             raise ValueError(
-                f"{plan_path(config.plan)}: step {step} plans {step_loss_tokens} trained tokens but its batches hold "
-                f"{totals.targets}; the plan was made for different data"
+                f"{plan_path(run.config.plan)}: step {step} plans {step_loss_tokens} trained tokens but its batches "
+                f"hold {totals.targets}; the plan was made for different data"
             )
         if totals is not None and not math.isfinite(totals.grad_norm):
             # the fused AdamW skipped the update; stepping in the backward, only the non-finite tensors kept theirs
@@ -583,27 +614,27 @@ def _train(run: Run, watch: MemoryWatch) -> None:
                 if run.optim_c.in_backward
                 else ""
             )
-            nonfinite_in_a_row += 1
-            if nonfinite_in_a_row > run.optim_c.max_nonfinite_steps:
-                raise RuntimeError(f"step {step + 1}: {nonfinite_in_a_row} non-finite steps in a row; stopping")
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row > run.optim_c.max_nonfinite_steps:
+                raise RuntimeError(f"step {step + 1}: {self.nonfinite_in_a_row} non-finite steps in a row; stopping")
         elif totals is not None:
-            nonfinite_in_a_row = 0
-        lr = run.scheduler.get_last_lr()[0]
-        run.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        progress, plan = run.progress, run.plan
         tokens = totals.tokens if totals is not None else 0
         progress.step, progress.epoch = step + 1, int(plan.epoch_of_step[step])
         progress.tokens_seen += tokens
         progress.trained_tokens_seen += step_loss_tokens
+        ended = time.perf_counter()
         run.metrics.log(
             step=progress.step,
             epoch=progress.epoch,
             loss=totals.loss_sum / step_loss_tokens if totals is not None else None,
             grad_norm=totals.grad_norm if totals is not None else None,
-            lr=lr,
+            lr=queued.lr,
             trained_tokens=step_loss_tokens,
             tokens=tokens,
             sum_sq_doc_lengths=totals.sum_sq_doc_lengths if totals is not None else 0.0,
-            seconds=time.perf_counter() - t0,
+            seconds=ended - queued.started,
             skipped=skipped,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if run.env.device.type == "cuda" else None,
             # What the caching allocator holds: above the allocated peak by what fragmentation strands.
@@ -611,13 +642,53 @@ def _train(run: Run, watch: MemoryWatch) -> None:
             trained_tokens_by_source=step_source_tokens(run, step),
             breakdown=run.breakdown.report(totals.cells) if run.breakdown is not None and totals is not None else None,
         )
-        if run.checkpointer.due(progress.step):
-            watch.where = f"saving the checkpoint of step {progress.step}"
-            run.checkpointer.save(progress.step)
+        self.watch.where = where
+        return ended
+
+
+@dataclass
+class QueuedStep:
+    """A step queued on the device whose totals the loop has not read yet."""
+
+    step: int  # 0-based
+    step_loss_tokens: int
+    lr: float
+    started: float  # perf_counter when its wall time starts: its queueing, or the end of the step before it
+    totals: PendingTotals | None  # None: a step without trained tokens
+
+
+def _train(run: Run, watch: MemoryWatch) -> None:
+    # Step s + 1 is queued before step s's totals are read and logged, so the device goes from one step to the next
+    # without waiting for the host. A checkpoint needs its step's totals in the progress it saves, and the step
+    # after it must not have touched the weights yet: a step due one is finished before the next is queued.
+    progress = run.progress
+    book = Bookkeeping(run, watch)
+    queued: QueuedStep | None = None
+    for step in range(progress.step, run.total_steps):
+        watch.where = f"in step {step + 1}"
+        started = time.perf_counter()
+        step_loss_tokens = int(run.plan.step_loss_tokens[step])
+        try:
+            totals = queue_run_step(run, step, step_loss_tokens)
+        except BaseException:
+            if queued is not None:  # the step before still counts: logged, and its own error raised first
+                book.finish(queued)
+            raise
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        if queued is not None:
+            started = book.finish(queued)
+        queued = QueuedStep(step=step, step_loss_tokens=step_loss_tokens, lr=lr, started=started, totals=totals)
+        if run.checkpointer.due(step + 1) or step + 1 == run.total_steps:
+            book.finish(queued)
+            queued = None
+            if run.checkpointer.due(progress.step):
+                watch.where = f"saving the checkpoint of step {progress.step}"
+                run.checkpointer.save(progress.step)
     if run.checkpointer.due(progress.step, last=True):
         watch.where = f"saving the checkpoint of step {progress.step}"
         run.checkpointer.save(progress.step)
-    if config.export:
+    if run.config.export:
         watch.where = "exporting the model"
         export_run(run)
     if run.env.device.type == "cuda" and run.env.is_main:

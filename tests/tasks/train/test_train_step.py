@@ -319,3 +319,23 @@ def test_packed_attention_backward_copies_no_input_gradient():
     )
     out[:, 5:].sum().backward()
     assert torch.count_nonzero(k.grad[:, :5]) == 0 and torch.count_nonzero(v.grad[:, :5]) == 0
+
+
+def test_a_queued_step_reads_the_totals_the_synchronous_step_reads(gloo_world_of_one):
+    """The worker queues step s + 1 before it reads step s's totals (`queue_step`); what it reads then, and the
+    weights it leaves, are those of the step run with its sync at the end (`train_step`, what the benchmarks time)."""
+    from sftflow.tasks.train import worker
+
+    docs = [(np.arange(9) % 100, np.array([[3, 9]], dtype=np.int32)), (np.arange(5) + 7, np.array([[0, 5]]))]
+    results, weights = [], []
+    for run_step in (worker.train_step, lambda *a, **k: worker.queue_step(*a, **k)):
+        torch.manual_seed(0)
+        model = CausalLMLoss(build_model("tiny-llama", vocab_size=100, packed=True))
+        opt = build_optimizer(model, OPTIM)
+        out = [run_step(model, opt, [collate(docs, packed_collator())], 10, 1.0, CPU) for _ in range(2)]
+        results.append([r if isinstance(r, worker.StepTotals) else r.result() for r in out])
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert results[0] == results[1]
+    assert results[0][0].targets == 10 and results[0][0].tokens == 14
+    assert results[0][0].loss_sum != results[0][1].loss_sum  # the second step saw the first one's update
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
