@@ -91,7 +91,7 @@ for s in $STEPS; do
     tests_families_b) step "$s" 300 python3 -m pytest -q tests/tasks/train/test_families.py -p no:cacheprovider \
       -k "flash_attn_4 and (qwen2_5 or qwen3_moe or smollm3)" ;;
     tests_gpu_other) step "$s" 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tasks/train/test_activations.py \
-      tests/tasks/train/test_single_device.py ;;
+      tests/tasks/train/test_single_device.py tests/tasks/train/test_train_step.py ;;
     tests_gpu) step "$s" 590 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu ;;
     *) echo "unknown step $s" | tee -a "$LOG/progress.txt" ;;
   esac

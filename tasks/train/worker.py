@@ -281,7 +281,7 @@ class PendingTotals:
             self.values = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
             self.values.copy_(totals, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(totals.device))
         else:
             self.values = totals
 
@@ -415,6 +415,9 @@ class Run:
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
     span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
     memory: MemoryPicture | None = None  # what was chosen for the memory, for a report should it run out anyway
+    # Queue step s + 1 before reading step s's totals. Not with activations offloaded to the host: each step pins
+    # fresh host buffers for them, and a step queued a whole step ahead would hold twice what was budgeted.
+    overlap_steps: bool = True
 
 
 def build_run(run_dir: Path) -> Run:
@@ -529,7 +532,7 @@ def build_run(run_dir: Path) -> Run:
         scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
         tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
-        span=AttentionSpan.of(layer_windows(lm.config)),
+        span=AttentionSpan.of(layer_windows(lm.config)), overlap_steps=not (offload and label != "off"),
         memory=MemoryPicture(
             model_config=lm.config, tokens_per_rank=plan.tokens_per_rank, parallel=parallel,
             world_size=env.world_size, checkpointing=checkpointing, offload=offload, compiled=compiled, budget=budget,
@@ -661,6 +664,7 @@ def _train(run: Run, watch: MemoryWatch) -> None:
     # Step s + 1 is queued before step s's totals are read and logged, so the device goes from one step to the next
     # without waiting for the host. A checkpoint needs its step's totals in the progress it saves, and the step
     # after it must not have touched the weights yet: a step due one is finished before the next is queued.
+    # A step's `seconds` run from the end of the step before it to its own end: they add up to the run's time.
     progress = run.progress
     book = Bookkeeping(run, watch)
     queued: QueuedStep | None = None
@@ -679,7 +683,7 @@ def _train(run: Run, watch: MemoryWatch) -> None:
         if queued is not None:
             started = book.finish(queued)
         queued = QueuedStep(step=step, step_loss_tokens=step_loss_tokens, lr=lr, started=started, totals=totals)
-        if run.checkpointer.due(step + 1) or step + 1 == run.total_steps:
+        if not run.overlap_steps or run.checkpointer.due(step + 1) or step + 1 == run.total_steps:
             book.finish(queued)
             queued = None
             if run.checkpointer.due(progress.step):

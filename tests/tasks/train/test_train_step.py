@@ -321,21 +321,30 @@ def test_packed_attention_backward_copies_no_input_gradient():
     assert torch.count_nonzero(k.grad[:, :5]) == 0 and torch.count_nonzero(v.grad[:, :5]) == 0
 
 
-def test_a_queued_step_reads_the_totals_the_synchronous_step_reads(gloo_world_of_one):
-    """The worker queues step s + 1 before it reads step s's totals (`queue_step`); what it reads then, and the
-    weights it leaves, are those of the step run with its sync at the end (`train_step`, what the benchmarks time)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_queued_step_reads_the_totals_the_synchronous_step_reads(gloo_world_of_one, device):
+    """The worker queues step s + 1 before it reads step s's totals (`queue_step`; on CUDA through a pinned copy and
+    an event); what it reads then, and the weights it leaves, are those of the step run with its sync at the end
+    (`train_step`, what the benchmarks time)."""
     from sftflow.tasks.train import worker
 
+    device = torch.device(device)
     docs = [(np.arange(9) % 100, np.array([[3, 9]], dtype=np.int32)), (np.arange(5) + 7, np.array([[0, 5]]))]
     results, weights = [], []
-    for run_step in (worker.train_step, lambda *a, **k: worker.queue_step(*a, **k)):
+    for queued in (False, True):
         torch.manual_seed(0)
-        model = CausalLMLoss(build_model("tiny-llama", vocab_size=100, packed=True))
+        model = CausalLMLoss(build_model("tiny-llama", vocab_size=100, packed=True, device=device).to(device))
         opt = build_optimizer(model, OPTIM)
-        out = [run_step(model, opt, [collate(docs, packed_collator())], 10, 1.0, CPU) for _ in range(2)]
-        results.append([r if isinstance(r, worker.StepTotals) else r.result() for r in out])
-        weights.append([p.detach().clone() for p in model.parameters()])
+        steps = []
+        for _ in range(3):  # every step queued before the one before it is read, as the worker does
+            batches = [collate(docs, packed_collator())]
+            if queued:
+                steps.append(worker.queue_step(model, opt, batches, 10, 1.0, device))
+            else:
+                steps.append(worker.train_step(model, opt, batches, 10, 1.0, device))
+        results.append([s.result() if queued else s for s in steps])
+        weights.append([p.detach().cpu().clone() for p in model.parameters()])
     assert results[0] == results[1]
     assert results[0][0].targets == 10 and results[0][0].tokens == 14
-    assert results[0][0].loss_sum != results[0][1].loss_sum  # the second step saw the first one's update
+    assert len({r.loss_sum for r in results[0]}) == 3  # each step saw the update of the one before
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
