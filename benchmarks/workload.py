@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -81,12 +80,25 @@ def run(cmd: list[str], log: Path) -> tuple[int, float, str]:
     return proc.returncode, wall, log.read_text()
 
 
-def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
+def checkpointing_chosen(run_dir: Path) -> str | None:
+    """The layers the run checkpointed, as the launcher resolved them into `RUN_DIR/run.json`."""
+    from sftflow.tasks.train.activations import checkpointed_layers
+    from sftflow.tasks.train.resolved import read_resolved
+
+    try:
+        resolved = read_resolved(run_dir)
+    except (OSError, ValueError):
+        return None
+    count = checkpointed_layers(resolved.activation_checkpointing.value, resolved.num_layers)
+    return f"{count} of {resolved.num_layers} layers"
+
+
+def summarize(metrics: Path, warmup: int, wall_s: float) -> dict:
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     timed = [r for r in records if r["step"] > warmup]
     if not timed:
         raise SystemExit(f"{metrics}: no steps after the {warmup} warm-up steps")
-    chosen = re.findall(r"activation checkpointing auto: (.+?) for rows", log)
+    chosen = checkpointing_chosen(metrics.parent)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     reserved = [r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
@@ -100,7 +112,7 @@ def summarize(metrics: Path, warmup: int, wall_s: float, log: str) -> dict:
         "mfu_median": round(statistics.median(mfus), 4) if mfus else None,
         "peak_memory_gib": round(max(peaks), 1) if peaks else None,
         "peak_reserved_gib": round(max(reserved), 1) if reserved else None,
-        "activation_checkpointing_auto": chosen[0] if chosen else None,
+        "activation_checkpointing_auto": chosen,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
 
@@ -195,7 +207,7 @@ def main() -> None:
         "documents": mock.num_docs,
         "data_s": round(data_s, 1),
         "plan_s": round(plan_s, 1),
-        **summarize(work / "run" / "metrics.jsonl", args.warmup, train_s, out),
+        **summarize(work / "run" / "metrics.jsonl", args.warmup, train_s),
     }
     # sftflow's numbers are reported before the baseline runs, so that a run cut short (a GPU taken back) keeps them.
     report(args, work, summary)
@@ -213,7 +225,7 @@ FIGURES = {
     "tokens_per_s_median": ("tokens/s median", "tokens/s", "tokens_per_s_median"),
     "tokens_per_s_aggregate": ("tokens/s aggregate", "tokens/s", "tokens_per_s_aggregate"),
     "tokens_per_s_end_to_end": ("tokens/s end to end", "tokens/s", None),
-    "mfu_median": ("MFU median (worker estimate)", "fraction", None),
+    "mfu_median": ("MFU median (worker estimate, of the datasheet peak)", "%", None),
     "peak_memory_gib": ("peak allocated memory", "GiB", "peak_memory_gib"),
 }
 
@@ -234,8 +246,9 @@ def result_rows(summary: dict, ranks: int) -> list[dict]:
         if baseline and peer_key and baseline.get(peer_key):
             basis = "this / peer" if unit == "tokens/s" else "this GiB / peer GiB"
             peer = dict(peer=f"{baseline['mode']}: {baseline['what']}", peer_value=baseline[peer_key],
-                        ratio=summary[key] / baseline[peer_key], ratio_basis=basis)  # fmt: skip
-        rows.append(harness.result_row(BENCHMARK, mode, metric, summary[key], unit, **row, **peer))
+                        ratio=round(summary[key] / baseline[peer_key], 3), ratio_basis=basis)  # fmt: skip
+        value = round(100 * summary[key], 1) if unit == "%" else summary[key]  # the summary's MFU is a fraction
+        rows.append(harness.result_row(BENCHMARK, mode, metric, value, unit, **row, **peer))
     if baseline:
         for metric, unit, peer_key in FIGURES.values():
             if peer_key and baseline.get(peer_key) is not None:

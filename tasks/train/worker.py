@@ -415,9 +415,10 @@ class Run:
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
     span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
     memory: MemoryPicture | None = None  # what was chosen for the memory, for a report should it run out anyway
-    # Queue step s + 1 before reading step s's totals. Not with activations offloaded to the host: each step pins
+    # Queue step s + 1 before reading step s's totals: on a GPU, so that it never waits for the host between steps
+    # (a CPU computes as it queues: nothing to overlap). Not with activations offloaded to the host: each step pins
     # fresh host buffers for them, and a step queued a whole step ahead would hold twice what was budgeted.
-    overlap_steps: bool = True
+    overlap_steps: bool = False
 
 
 def build_run(run_dir: Path) -> Run:
@@ -532,7 +533,8 @@ def build_run(run_dir: Path) -> Run:
         scheduler=scheduler, model_state=model_state, progress=progress, checkpointer=checkpointer, metrics=metrics,
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
         tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
-        span=AttentionSpan.of(layer_windows(lm.config)), overlap_steps=not (offload and label != "off"),
+        span=AttentionSpan.of(layer_windows(lm.config)),
+        overlap_steps=env.device.type == "cuda" and not (offload and label != "off"),
         memory=MemoryPicture(
             model_config=lm.config, tokens_per_rank=plan.tokens_per_rank, parallel=parallel,
             world_size=env.world_size, checkpointing=checkpointing, offload=offload, compiled=compiled, budget=budget,
