@@ -12,7 +12,7 @@
 # checkpointed, what `activation_checkpointing: auto` picks there, and with all of them, against the FSDP peer with
 # FA4 and gradient checkpointing), workload_8b_16k (the same 8B run as a user runs it, `sftflow plan` and
 # `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
-# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting), workload_1b_16k (the 1B
+# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting, then the same peer), workload_1b_16k (the 1B
 # on packed 16k rows as a user runs it, against the FA4 peer), workload_1b_64k (the 1B
 # at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing), cost_table (the
 # planner's cost table for the 1B at 64k rows on this GPU; cost_table_quick: five lengths, 3 steps each) and
@@ -71,9 +71,9 @@ for s in $STEPS; do
       --profile-steps 0 --out "$LOG/$s" ;;
     workload_8b_16k) step "$s" 800 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --baseline Cac@fa4 --work /tmp/wl8b --out "$LOG/$s" ;;
-    workload_8b_16k_inbwd) step "$s" 420 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
+    workload_8b_16k_inbwd) step "$s" 840 python3 benchmarks/workload.py llama8b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --set train.optimizer.in_backward=true --set train.optimizer.grad_clip=null --set train.optimizer.offload=8 \
-      --work /tmp/wl8b-inbwd --out "$LOG/$s" ;;
+      --baseline Cac@fa4 --work /tmp/wl8b-inbwd --out "$LOG/$s" ;;
     workload_1b_16k) step "$s" 420 python3 benchmarks/workload.py llama1b-16k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
       --baseline Cn@fa4 --work /tmp/wl1b16 --out "$LOG/$s" ;;
     workload_1b_64k) step "$s" 800 python3 benchmarks/workload.py llama1b-64k --steps 110 --warmup 10 --jsonl "$LOG/rows.jsonl" \
