@@ -40,8 +40,15 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 DOCS = {
     "packed": dict(median_length=600, sigma=1.0, min_length=16, max_length=4096),
     "long": dict(median_length=16384, sigma=0.7, min_length=4096, max_length=65536),
+    "tiny": dict(median_length=24, sigma=1.0, min_length=4, max_length=96),  # the CPU check's 256-token rows
 }
-WORKLOAD_DOCS = {"llama8b-16k": "packed", "llama1b-16k": "packed", "llama1b-64k": "long", "llama8b-64k": "long"}
+WORKLOAD_DOCS = {
+    "llama8b-16k": "packed",
+    "llama1b-16k": "packed",
+    "llama1b-64k": "long",
+    "llama8b-64k": "long",
+    "tiny-cpu": "tiny",
+}
 # The same model shapes in benchmarks/train_throughput.py, whose modes are the baselines.
 WORKLOAD_PRESET = {
     "llama8b-16k": "llama8b",
