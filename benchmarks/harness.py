@@ -175,7 +175,11 @@ def gpu_name() -> str | None:
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
-    """The checkout's commit, with `+dirty` when tracked files differ from it; None outside a git checkout."""
+    """The checkout's commit, with `+dirty` when tracked files differ from it; None outside a git checkout.
+    `SFTFLOW_BENCH_COMMIT` names it instead where the tree was copied with git metadata that is not its own (a
+    device machine's copy of a working tree keeps the `.git` of an earlier copy)."""
+    if os.environ.get("SFTFLOW_BENCH_COMMIT"):
+        return os.environ["SFTFLOW_BENCH_COMMIT"]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True

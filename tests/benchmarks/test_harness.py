@@ -48,14 +48,23 @@ def test_rows_carry_the_environment_and_append_as_json_lines(tmp_path):
     assert json.loads(path.read_text().splitlines()[0]) == row
 
 
-def test_outside_a_git_checkout_the_commit_is_unknown(tmp_path):
+def test_outside_a_git_checkout_the_commit_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.delenv("SFTFLOW_BENCH_COMMIT", raising=False)
     assert harness.git_commit(tmp_path) is None
 
 
+def test_a_copied_tree_s_commit_is_the_one_named(tmp_path, monkeypatch):
+    # a device machine's copy: its git metadata is not the code's, the caller names the commit
+    monkeypatch.setenv("SFTFLOW_BENCH_COMMIT", "3bdcefb")
+    assert harness.git_commit(tmp_path) == "3bdcefb"
+    assert harness.environment()["commit"] == "3bdcefb"
+
+
 @pytest.mark.parametrize("dirty", [False, True])
-def test_a_changed_checkout_is_marked_dirty(tmp_path, dirty):
+def test_a_changed_checkout_is_marked_dirty(tmp_path, dirty, monkeypatch):
     import subprocess
 
+    monkeypatch.delenv("SFTFLOW_BENCH_COMMIT", raising=False)
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "f").write_text("1")
