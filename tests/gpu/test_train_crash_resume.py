@@ -4,8 +4,9 @@ A Llama-shaped random-init model (`llama-1024x8` of `sftflow.tasks.shapes`: 8 la
 heads, vocab 32k), bf16 compute with fp32 master weights, mock documents (lognormal lengths, median 600), packed
 rows of 16,384 tokens per rank. The first launch is killed after step 20 (the `inject_crash` fixture: one worker
 SIGKILLs itself; the checkpoint of step 20 is written); the second launch resumes from `latest` and finishes. Every
-step is logged once, the loss stays finite and the export reloads with the model's parameters. The run's tokens/s
-(median of the steps after warm-up), the worker's MFU estimate and peak memory are printed (`pytest -s`).
+step is logged once, the loss stays finite, the export reloads with the model's parameters, and a launch that is
+never killed logs the same loss and gradient norm at every step. The run's tokens/s (median of the steps after
+warm-up), the worker's MFU estimate and peak memory are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def test_a_gpu_run_crashes_resumes_and_exports(tmp_path, inject_crash, nproc):
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(LlamaConfig(**shape.fields()))
     assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in expected.parameters())
+    # Bit-exact: a launch that is never killed logs the same loss and gradient norm at every step. Steps are queued
+    # ahead of their totals on a GPU, so this holds only if the checkpoint of step 20 held step 20's weights alone.
+    unbroken = train(config.model_copy(update={"out": str(tmp_path / "unbroken"), "export": False}))
+    assert unbroken.steps == STEPS
+    reference = read_metrics(tmp_path / "unbroken" / "metrics.jsonl")
+    for field in ("loss", "grad_norm", "lr", "tokens", "trained_tokens"):
+        assert [r[field] for r in records] == [r[field] for r in reference], field
     timed = [r for r in records if r["step"] > 3 and r["step"] != CRASH_AFTER + 1]
     summary = {
         "gpu": torch.cuda.get_device_name(0),
