@@ -6,9 +6,12 @@ RUN_DIR`) SIGKILL rank R (default: the last) right after optimizer step N and it
 the marker `RUN_DIR/fault-fired` stops a resumed attempt from crashing again. With `lr=X`, only a run whose learning
 rate is X crashes (a served deployment runs other flows beside the one under test).
 
-The hook wraps `Checkpointer.due`, which the worker's loop calls on every rank after each step's metrics are written:
-at step N every rank saves (a collective), then rank R kills itself and the others block in the next step's
-collectives until torchrun tears the group down, as a real crash leaves them.
+The hook wraps `Checkpointer.due`, which the worker's loop calls on every rank once a step's metrics are written,
+and, where steps are queued ahead of their totals (on a GPU), also before, to ask whether to finish the step at once.
+The hook acts only once the progress it would save has reached step N: every rank saves (a collective), then rank R
+kills itself and the others block in the next step's collectives until torchrun tears the group down, as a real crash
+leaves them. With steps queued ahead the loop asks again after a step only where a checkpoint is due, so there N must
+be a step with a checkpoint (every `checkpoint.every` steps), or the run never crashes.
 """
 
 import os
@@ -42,7 +45,8 @@ def _install(module) -> None:
     due = module.Checkpointer.due
 
     def crashing_due(self, step: int, last: bool = False) -> bool:
-        if step != crash_step:
+        # asked ahead, before step N's totals are in the progress: saving now would pair step N's weights with N - 1
+        if step != crash_step or self.states["progress"].step != step:
             return due(self, step, last=last)
         if due(self, step, last=last):
             self.save(step)
