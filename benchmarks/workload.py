@@ -219,7 +219,11 @@ def main() -> None:
     # sftflow's numbers are reported before the baseline runs, so that a run cut short (a GPU taken back) keeps them.
     report(args, work, summary)
     if args.baseline is not None:
-        baseline = run_baseline(args, cfg, args.baseline, work)
+        try:
+            baseline = run_baseline(args, cfg, args.baseline, work)
+        except SystemExit:  # a baseline that fails (out of memory, say) leaves sftflow's own rows
+            harness.write_rows(args.jsonl, result_rows(summary, ranks))
+            raise
         summary["baseline"] = baseline
         summary["ratio_median"] = round(summary["tokens_per_s_median"] / baseline["tokens_per_s_median"], 3)
         summary["ratio_aggregate"] = round(summary["tokens_per_s_aggregate"] / baseline["tokens_per_s_aggregate"], 3)

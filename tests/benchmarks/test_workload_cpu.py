@@ -49,3 +49,14 @@ def test_workload_summarizes_the_run_it_trained_and_its_baseline(tmp_path):
     assert ours["tokens/s median"]["mode"] == "sftflow train, activation checkpointing auto: 0 of 2 layers"
     peer = {r["metric"]: r["value"] for r in found if r["mode"].startswith("A: ")}
     assert peer["tokens/s aggregate"] == baseline["tokens_per_s_aggregate"]
+
+
+def test_a_failed_baseline_leaves_sftflow_s_rows(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(SCRIPT), "tiny-cpu", "--steps", "3", "--warmup", "1", "--baseline", "NoSuchMode"]
+    cmd += ["--work", str(tmp_path / "work"), "--jsonl", str(rows)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0 and "baseline NoSuchMode failed" in proc.stdout + proc.stderr
+    found = read_result_rows(rows, "benchmarks/workload.py")
+    assert {r["metric"] for r in found} >= {"tokens/s median", "tokens/s aggregate", "tokens/s end to end"}
+    assert all(r["mode"].startswith("sftflow train") and r["peer"] is None for r in found)
