@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,17 +88,20 @@ def run(cmd: list[str], log: Path) -> tuple[int, float, str]:
     return proc.returncode, wall, log.read_text()
 
 
-def checkpointing_chosen(run_dir: Path) -> str | None:
-    """The layers the run checkpointed, as the launcher resolved them into `RUN_DIR/run.json`."""
+def checkpointing_chosen(run_dir: Path) -> tuple[str | None, str | None]:
+    """What the run was asked for (`auto`, `full`, ...) and the layers it checkpointed, as the launcher resolved them
+    into `RUN_DIR/run.json`; (None, None) where there is no such file."""
     from sftflow.tasks.train.activations import checkpointed_layers
     from sftflow.tasks.train.resolved import read_resolved
 
     try:
         resolved = read_resolved(run_dir)
-    except (OSError, ValueError):
-        return None
-    count = checkpointed_layers(resolved.activation_checkpointing.value, resolved.num_layers)
-    return f"{count} of {resolved.num_layers} layers"
+    except (OSError, ValueError) as err:
+        print(f"[workload] {run_dir}: no resolved run to read the activation checkpointing from ({err})", flush=True)
+        return None, None
+    choice = resolved.activation_checkpointing
+    count = checkpointed_layers(choice.value, resolved.num_layers)
+    return str(choice.setting), f"{count} of {resolved.num_layers} layers"
 
 
 def summarize(metrics: Path, warmup: int, wall_s: float) -> dict:
@@ -105,7 +109,7 @@ def summarize(metrics: Path, warmup: int, wall_s: float) -> dict:
     timed = [r for r in records if r["step"] > warmup]
     if not timed:
         raise SystemExit(f"{metrics}: no steps after the {warmup} warm-up steps")
-    chosen = checkpointing_chosen(metrics.parent)
+    setting, chosen = checkpointing_chosen(metrics.parent)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     reserved = [r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
@@ -119,7 +123,8 @@ def summarize(metrics: Path, warmup: int, wall_s: float) -> dict:
         "mfu_median": round(statistics.median(mfus), 4) if mfus else None,
         "peak_memory_gib": round(max(peaks), 1) if peaks else None,
         "peak_reserved_gib": round(max(reserved), 1) if reserved else None,
-        "activation_checkpointing_auto": chosen,
+        "activation_checkpointing_setting": setting,
+        "activation_checkpointing_auto": chosen,  # what the setting resolved to (the key's name is historical)
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
 
@@ -174,6 +179,8 @@ def main() -> None:
     )
     harness.add_common_args(p)  # --jsonl
     args = p.parse_args()
+    # `timeout` (benchmarks/fa4_suite.sh) stops a step with SIGTERM: raised as SystemExit, so what was measured is kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from sftflow.flows.config import load_config, parse_assignments
     from sftflow.tasks.train.mock import write_mock_index
@@ -221,7 +228,7 @@ def main() -> None:
     if args.baseline is not None:
         try:
             baseline = run_baseline(args, cfg, args.baseline, work)
-        except SystemExit:  # a baseline that fails (out of memory, say) leaves sftflow's own rows
+        except BaseException:  # a baseline that fails, or a limit's SIGTERM, leaves sftflow's own rows
             harness.write_rows(args.jsonl, result_rows(summary, ranks))
             raise
         summary["baseline"] = baseline
@@ -247,7 +254,8 @@ def result_rows(summary: dict, ranks: int) -> list[dict]:
     baseline = summary.get("baseline")
     workload = f"{summary['workload']} ({summary['config']}, {ranks} rank(s))"
     row = dict(env=env, workload=workload, note="; ".join(summary["overrides"]) or None)
-    mode = "sftflow train" + (f", activation checkpointing auto: {summary['activation_checkpointing_auto']}"
+    checkpointing = f"{summary.get('activation_checkpointing_setting')}: {summary['activation_checkpointing_auto']}"
+    mode = "sftflow train" + (f", activation checkpointing {checkpointing}"
                               if summary["activation_checkpointing_auto"] else "")  # fmt: skip
     rows = []
     for key, (metric, unit, peer_key) in FIGURES.items():

@@ -3,6 +3,8 @@ hook passes the worker's end-of-run checkpoint call through)."""
 
 from __future__ import annotations
 
+import pytest
+
 from sftflow.tasks.plan.planner import PlanConfig
 from tests.tasks.train_helpers import metrics, planned_mock, run
 
@@ -16,3 +18,51 @@ def test_a_run_that_ends_before_the_crash_step_finishes(tmp_path, tiny_tokenizer
     assert result.steps == 3
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
     assert not (tmp_path / "run" / "fault-fired").exists()
+
+
+def _shim(monkeypatch, run_dir, spec: str):
+    """The hook installed on a stand-in checkpoint module, as a worker of rank 0 of 2 would install it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    monkeypatch.delenv("SFTFLOW_TEST_CRASH", raising=False)  # loaded inert; the spec is given below
+    path = Path(__file__).parent / "crash_shim" / "sitecustomize.py"
+    loaded = importlib.util.spec_from_file_location("crash_shim_under_test", path)
+    shim = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(shim)
+    monkeypatch.setattr(shim, "_SPEC", spec)
+    monkeypatch.setattr(sys, "argv", [str(Path("sftflow", "tasks", "train", "worker.py")), str(run_dir)])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    class Progress:
+        step = 0
+
+    class Checkpointer:
+        def __init__(self):
+            self.states, self.saved = {"progress": Progress()}, []
+
+        def due(self, step: int, last: bool = False) -> bool:
+            return step % 2 == 0
+
+        def save(self, step: int) -> None:
+            self.saved.append((step, self.states["progress"].step))
+
+    module = type(sys)("checkpoint_stand_in")
+    module.Checkpointer = Checkpointer
+    shim._install(module)
+    return module.Checkpointer()
+
+
+@pytest.mark.parametrize("crash_step", [3, 4])  # a step without a checkpoint of its own, and one with
+def test_the_hook_saves_step_n_only_once_its_totals_are_in_the_progress(tmp_path, monkeypatch, crash_step):
+    # rank 1 of 2 is the one that would kill itself: this process, rank 0, only saves
+    checkpointer = _shim(monkeypatch, tmp_path, f"crash_after_step={crash_step},rank=1")
+    checkpointer.states["progress"].step = crash_step - 1
+    # steps queued ahead: asked before step N's totals are read; the hook has the loop finish step N first
+    assert checkpointer.due(crash_step) is True and checkpointer.saved == []
+    assert checkpointer.due(crash_step + 2) is (crash_step % 2 == 0)  # other steps: the checkpointer's own answer
+    checkpointer.states["progress"].step = crash_step
+    assert checkpointer.due(crash_step) is False  # saved here by the hook where due, never again by the loop
+    assert checkpointer.saved == ([(4, 4)] if crash_step == 4 else [])

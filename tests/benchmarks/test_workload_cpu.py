@@ -36,6 +36,7 @@ def test_workload_summarizes_the_run_it_trained_and_its_baseline(tmp_path):
     assert summary["tokens_per_s_end_to_end"] < summary["tokens_per_s_aggregate"]
     # read back from the run's run.json: the tiny model's 2 layers, none recomputed on a CPU that holds them all
     assert summary["activation_checkpointing_auto"] == "0 of 2 layers"
+    assert summary["activation_checkpointing_setting"] == "auto"
     assert summary["loss_first_last"] == [metrics[0]["loss"], metrics[-1]["loss"]]
     baseline = summary["baseline"]
     assert baseline["mode"] == "A" and baseline["timed_steps"] == 4 and baseline["tokens_per_s_median"] > 0

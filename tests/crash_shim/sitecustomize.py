@@ -6,12 +6,12 @@ RUN_DIR`) SIGKILL rank R (default: the last) right after optimizer step N and it
 the marker `RUN_DIR/fault-fired` stops a resumed attempt from crashing again. With `lr=X`, only a run whose learning
 rate is X crashes (a served deployment runs other flows beside the one under test).
 
-The hook wraps `Checkpointer.due`, which the worker's loop calls on every rank once a step's metrics are written,
-and, where steps are queued ahead of their totals (on a GPU), also before, to ask whether to finish the step at once.
-The hook acts only once the progress it would save has reached step N: every rank saves (a collective), then rank R
-kills itself and the others block in the next step's collectives until torchrun tears the group down, as a real crash
-leaves them. With steps queued ahead the loop asks again after a step only where a checkpoint is due, so there N must
-be a step with a checkpoint (every `checkpoint.every` steps), or the run never crashes.
+The hook wraps `Checkpointer.due`, which the worker's loop calls on every rank once a step's metrics are written:
+at step N every rank saves (if a checkpoint is due there: a collective), then rank R kills itself and the others
+block in the next step's collectives until torchrun tears the group down, as a real crash leaves them. Where steps
+are queued ahead of their totals (on a GPU) the loop also asks before step N's totals are read, whether to finish
+the step at once: the hook says yes, so that the loop finishes step N and asks again with its totals in the
+progress; saving on the first question would pair step N's weights with step N - 1's progress.
 """
 
 import os
@@ -45,9 +45,10 @@ def _install(module) -> None:
     due = module.Checkpointer.due
 
     def crashing_due(self, step: int, last: bool = False) -> bool:
-        # asked ahead, before step N's totals are in the progress: saving now would pair step N's weights with N - 1
-        if step != crash_step or self.states["progress"].step != step:
+        if step != crash_step:
             return due(self, step, last=last)
+        if self.states["progress"].step != step:  # asked ahead: finish step N now, crash when asked again
+            return True
         if due(self, step, last=last):
             self.save(step)
         if rank == crash_rank:
