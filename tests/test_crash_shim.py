@@ -66,3 +66,36 @@ def test_the_hook_saves_step_n_only_once_its_totals_are_in_the_progress(tmp_path
     checkpointer.states["progress"].step = crash_step
     assert checkpointer.due(crash_step) is False  # saved here by the hook where due, never again by the loop
     assert checkpointer.saved == ([(4, 4)] if crash_step == 4 else [])
+
+
+def test_steps_queued_ahead_kill_and_resume_bit_exactly(
+    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, inject_crash, monkeypatch, caplog
+):
+    """The GPU's loop (step s + 1 queued before step s's totals are read) on the CPU, killed right after the
+    checkpoint of step 4 and resumed from it: every step as a launch never killed logs it."""
+    import logging
+
+    import pytest
+
+    from sftflow.tasks.train.launch import TrainingFailed, train
+    from tests.tasks.train_helpers import losses
+
+    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
+    config, _, _ = planned_mock(
+        tmp_path, len(tiny_tokenizer), tiny_tokenizer_dir, PlanConfig(num_ranks=1, tokens_per_rank=128),
+        max_steps=6, checkpoint=dict(every=2),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        run(config, tmp_path / "reference", max_steps=6, checkpoint=dict(every=2))
+    assert "steps queued ahead" in caplog.text
+    crashed = config.model_copy(update={"out": str(tmp_path / "crashed")})
+    inject_crash("crash_after_step=4")
+    with pytest.raises(TrainingFailed):
+        train(crashed)
+    inject_crash(None)
+    assert (tmp_path / "crashed" / "fault-fired").is_file()
+    assert train(crashed, resume=True).steps == 6
+    got, want = metrics(tmp_path / "crashed"), metrics(tmp_path / "reference")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert losses(tmp_path / "crashed") == losses(tmp_path / "reference")
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]

@@ -415,10 +415,7 @@ class Run:
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
     span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
     memory: MemoryPicture | None = None  # what was chosen for the memory, for a report should it run out anyway
-    # Queue step s + 1 before reading step s's totals: on a GPU, so that it never waits for the host between steps
-    # (a CPU computes as it queues: nothing to overlap). Not with activations offloaded to the host: each step pins
-    # fresh host buffers for them, and a step queued a whole step ahead would hold twice what was budgeted.
-    overlap_steps: bool = False
+    overlap_steps: bool = False  # queue step s + 1 before reading step s's totals (`queue_steps_ahead`)
 
 
 def build_run(run_dir: Path) -> Run:
@@ -506,6 +503,7 @@ def build_run(run_dir: Path) -> Run:
         resume_step=progress.step,
     )
     label = checkpointing_label(checkpointing, len(layers))
+    overlap = queue_steps_ahead(env.device, offloaded=offload and label != "off")
     if env.is_main and config.lora is not None:  # the resolved run's last line: only known once the model is built
         print(f"[train] {lora_summary(lm, config, n_trainable, n_params)}", flush=True)
     if env.is_main:
@@ -518,6 +516,7 @@ def build_run(run_dir: Path) -> Run:
             + (f", activation checkpointing {label}" if label != "off" else "")
             + (" (inputs in host memory)" if offload and label != "off" else "")
             + (f", activation memory budget {budget}" if budget < 1 else "")
+            + (", steps queued ahead" if overlap else "")
             + (", optimizer in the backward" if config.optimizer.in_backward else "")
             + (
                 f", AdamW moments in host memory ({describe_units(optimizer.host_moments.units)})"
@@ -534,7 +533,7 @@ def build_run(run_dir: Path) -> Run:
         prefetch=Prefetch(batches, plan, total_steps, stage=stage), optim_c=optim_c, total_steps=total_steps,
         tokenizer_path=tokenizer_path, source_tokens=trained_tokens_by_source(plan, dataset), breakdown=breakdown,
         span=AttentionSpan.of(layer_windows(lm.config)),
-        overlap_steps=env.device.type == "cuda" and not (offload and label != "off"),
+        overlap_steps=overlap,
         memory=MemoryPicture(
             model_config=lm.config, tokens_per_rank=plan.tokens_per_rank, parallel=parallel,
             world_size=env.world_size, checkpointing=checkpointing, offload=offload, compiled=compiled, budget=budget,
@@ -542,6 +541,23 @@ def build_run(run_dir: Path) -> Run:
             optimizer_offload=config.optimizer.offload, lora=config.lora is not None,
         ),
     )  # fmt: skip
+
+
+QUEUE_STEPS_VAR = "SFTFLOW_QUEUE_STEPS"
+
+
+def queue_steps_ahead(device: torch.device, offloaded: bool) -> bool:
+    """Whether the loop queues step s + 1 before it reads step s's totals: on a GPU, where the device would otherwise
+    wait for the host at every step boundary; not on the CPU, where nothing runs behind the host and a step's time
+    would shift onto the next one. `SFTFLOW_QUEUE_STEPS=0` takes GPU steps one by one (each step's time its own),
+    `=1` queues on the CPU too (the GPU's loop, tested on a CPU). Never with activations offloaded to host memory:
+    each step pins fresh host buffers for them, which queueing ahead would double."""
+    asked = os.environ.get(QUEUE_STEPS_VAR, "auto")
+    if asked not in ("auto", "0", "1"):
+        raise ValueError(f"{QUEUE_STEPS_VAR}={asked!r}: expected auto, 0 or 1")
+    if offloaded:
+        return False
+    return device.type == "cuda" if asked == "auto" else asked == "1"
 
 
 def queue_run_step(run: Run, step: int, step_loss_tokens: int) -> PendingTotals | None:
