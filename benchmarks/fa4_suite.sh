@@ -12,8 +12,8 @@
 # checkpointed, what `activation_checkpointing: auto` picks there, and with all of them, against the FSDP peer with
 # FA4 and gradient checkpointing), workload_8b_16k (the same 8B run as a user runs it, `sftflow plan` and
 # `sftflow train` on benchmarks/workloads/llama8b-16k.yaml, then that peer), workload_8b_16k_inbwd (the same with the
-# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting, then the same peer), workload_1b_16k (the 1B
-# on packed 16k rows as a user runs it, against the FA4 peer), workload_1b_64k (the 1B
+# optimizer in the backward and 8 layers' moments on the host, its fastest measured setting, then the same peer),
+# workload_1b_16k (the 1B on packed 16k rows as a user runs it, against the FA4 peer), workload_1b_64k (the 1B
 # at 64k rows of long documents as a user runs it, against the FA4 peer with checkpointing), cost_table (the
 # planner's cost table for the 1B at 64k rows on this GPU; cost_table_quick: five lengths, 3 steps each) and
 # tests_gpu (tests/gpu: the training stage through its launcher, crash, resume, export).

@@ -254,7 +254,7 @@ def result_rows(summary: dict, ranks: int) -> list[dict]:
     baseline = summary.get("baseline")
     workload = f"{summary['workload']} ({summary['config']}, {ranks} rank(s))"
     row = dict(env=env, workload=workload, note="; ".join(summary["overrides"]) or None)
-    checkpointing = f"{summary.get('activation_checkpointing_setting')}: {summary['activation_checkpointing_auto']}"
+    checkpointing = f"{summary['activation_checkpointing_setting']}: {summary['activation_checkpointing_auto']}"
     mode = "sftflow train" + (f", activation checkpointing {checkpointing}"
                               if summary["activation_checkpointing_auto"] else "")  # fmt: skip
     rows = []

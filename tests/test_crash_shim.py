@@ -1,12 +1,19 @@
-"""The crash hook (`tests/crash_shim`) on a run that ends before its crash step: the run finishes as without it (the
-hook passes the worker's end-of-run checkpoint call through)."""
+"""The crash hook (`tests/crash_shim`): a run that ends before its crash step finishes as without it; the hook saves
+step N only once its totals are in the progress; a run with steps queued ahead, killed and resumed, logs what a
+launch never killed does."""
 
 from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
 
 import pytest
 
 from sftflow.tasks.plan.planner import PlanConfig
-from tests.tasks.train_helpers import metrics, planned_mock, run
+from sftflow.tasks.train.launch import TrainingFailed, train
+from tests.tasks.train_helpers import losses, metrics, planned_mock, run
 
 
 def test_a_run_that_ends_before_the_crash_step_finishes(tmp_path, tiny_tokenizer, tiny_tokenizer_dir, inject_crash):
@@ -22,10 +29,6 @@ def test_a_run_that_ends_before_the_crash_step_finishes(tmp_path, tiny_tokenizer
 
 def _shim(monkeypatch, run_dir, spec: str):
     """The hook installed on a stand-in checkpoint module, as a worker of rank 0 of 2 would install it."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     monkeypatch.delenv("SFTFLOW_TEST_CRASH", raising=False)  # loaded inert; the spec is given below
     path = Path(__file__).parent / "crash_shim" / "sitecustomize.py"
     loaded = importlib.util.spec_from_file_location("crash_shim_under_test", path)
@@ -73,13 +76,6 @@ def test_steps_queued_ahead_kill_and_resume_bit_exactly(
 ):
     """The GPU's loop (step s + 1 queued before step s's totals are read) on the CPU, killed right after the
     checkpoint of step 4 and resumed from it: every step as a launch never killed logs it."""
-    import logging
-
-    import pytest
-
-    from sftflow.tasks.train.launch import TrainingFailed, train
-    from tests.tasks.train_helpers import losses
-
     monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
     config, _, _ = planned_mock(
         tmp_path, len(tiny_tokenizer), tiny_tokenizer_dir, PlanConfig(num_ranks=1, tokens_per_rank=128),

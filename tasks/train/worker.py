@@ -503,7 +503,8 @@ def build_run(run_dir: Path) -> Run:
         resume_step=progress.step,
     )
     label = checkpointing_label(checkpointing, len(layers))
-    overlap = queue_steps_ahead(env.device, offloaded=offload and label != "off")
+    offloaded = offload and label != "off"  # checkpointed layers' inputs kept in host memory
+    overlap = queue_steps_ahead(env.device, offloaded=offloaded)
     if env.is_main and config.lora is not None:  # the resolved run's last line: only known once the model is built
         print(f"[train] {lora_summary(lm, config, n_trainable, n_params)}", flush=True)
     if env.is_main:
@@ -514,7 +515,7 @@ def build_run(run_dir: Path) -> Run:
             + (lora_label(config, n_trainable) if config.lora is not None else "")
             + (", compiled layers" if compiled else "")
             + (f", activation checkpointing {label}" if label != "off" else "")
-            + (" (inputs in host memory)" if offload and label != "off" else "")
+            + (" (inputs in host memory)" if offloaded else "")
             + (f", activation memory budget {budget}" if budget < 1 else "")
             + (", steps queued ahead" if overlap else "")
             + (", optimizer in the backward" if config.optimizer.in_backward else "")

@@ -456,41 +456,23 @@ def test_a_model_that_does_not_fit_is_one_report_and_not_retried(base):
     assert retry_unless_bad_input(None, None, state) is False
 
 
-def test_steps_queued_ahead_train_log_and_save_what_steps_run_one_by_one(base, tmp_path, monkeypatch):
+def test_steps_queued_ahead_train_log_and_save_what_steps_run_one_by_one(base, monkeypatch, caplog):
     """On a GPU the worker queues step s + 1 before it reads step s's totals (a CPU computes as it queues, so it
-    runs them one by one). Forced on here, in-process, over the run.json of a real launch: every metric but the
-    wall time and every tensor of both checkpoints (steps 4 and 6) equal the launch's."""
-    import socket
+    runs them one by one). Forced on here (`SFTFLOW_QUEUE_STEPS=1`): every metric but the wall time and every tensor
+    of both checkpoints (steps 4 and 6) equal a launch's that runs its steps one by one."""
+    import logging
 
     import torch
 
-    from sftflow.tasks.train import worker
-    from sftflow.tasks.train.oom import MemoryWatch
     from tests.tasks.train_helpers import metrics, read_dcp
 
     root, config = base
-    ref = root / "one-by-one"
+    ref, ahead = root / "one-by-one", root / "queued-ahead"
     run(config, ref, max_steps=6, checkpoint=dict(keep_last=2))
-    ahead = tmp_path / "queued-ahead"
-    ahead.mkdir()
-    payload = json.loads((ref / "run.json").read_text())
-    payload["config"]["out"] = str(ahead)
-    (ahead / "run.json").write_text(json.dumps(payload))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    ).items():
-        monkeypatch.setenv(key, value)
-    threads = torch.get_num_threads()
-    try:
-        run_ = worker.build_run(ahead)
-        assert not run_.overlap_steps  # on the CPU
-        run_.overlap_steps = True
-        worker._train(run_, MemoryWatch(rank=0))
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
+    with caplog.at_level(logging.INFO):
+        run(config, ahead, max_steps=6, checkpoint=dict(keep_last=2))
+    assert "steps queued ahead" in caplog.text
     kept = ("step", "epoch", "loss", "grad_norm", "lr", "trained_tokens", "tokens", "skipped")  # all but times
     assert [[m[k] for k in kept] for m in metrics(ahead)] == [[m[k] for k in kept] for m in metrics(ref)]
     assert _complete(ahead / "checkpoints") == _complete(ref / "checkpoints") == ["step-4", "step-6"]
