@@ -83,7 +83,7 @@ def test_steps_queued_ahead_kill_and_resume_bit_exactly(
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
         run(config, tmp_path / "reference", max_steps=6, checkpoint=dict(every=2))
-    assert "steps queued ahead" in caplog.text
+    assert "steps queued ahead: on (set by SFTFLOW_QUEUE_STEPS=1)" in caplog.text
     crashed = config.model_copy(update={"out": str(tmp_path / "crashed")})
     inject_crash("crash_after_step=4")
     with pytest.raises(TrainingFailed):

@@ -67,6 +67,7 @@ class ResolvedRun:
     optimizer_offload: Choice
     attention: Choice  # the attention backend
     loss: Choice  # the cross-entropy backend
+    queue_steps: Choice  # bool: step s + 1 queued before step s's totals are read
     template: Choice | None = None  # the chat template the data was rendered with, where the data stage says
 
     def choices(self) -> dict[str, Any]:
@@ -75,7 +76,7 @@ class ResolvedRun:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Choice) and f.name not in ("attention", "loss"):
+            if isinstance(value, Choice) and f.name not in ("attention", "loss", "queue_steps"):
                 out[f.name] = value.value
         return out
 
@@ -113,6 +114,7 @@ class ResolvedRun:
             ("activation offload", "on" if self.activation_offload.value else "off", self.activation_offload.reason),
             ("activation memory budget", self.activation_memory_budget.value, self.activation_memory_budget.reason),
             ("optimizer offload", self.optimizer_offload.value, self.optimizer_offload.reason),
+            ("steps queued ahead", "on" if self.queue_steps.value else "off", self.queue_steps.reason),
         ]
         if self.template is not None:
             rows.append(("template", self.template.value, self.template.reason))
@@ -398,6 +400,7 @@ def resolve(
     import torch
 
     from sftflow.kernels import attention, cross_entropy
+    from sftflow.tasks.train.activations import checkpointed_layers
     from sftflow.tasks.train.config import parallel_path
     from sftflow.tasks.train.model import decoder_layers
 
@@ -455,8 +458,30 @@ def resolve(
         optimizer_offload=Choice(config.optimizer.offload, config.optimizer.offload, offload_why),
         attention=Choice(att.name, os.environ.get(attention.ENV_VAR, "auto") or "auto", _kernel_reason(att.reason)),
         loss=Choice(ce.name, os.environ.get(cross_entropy.ENV_VAR, "auto") or "auto", _kernel_reason(ce.reason)),
+        queue_steps=queue_steps(kind, offload.value and checkpointed_layers(checkpointing.value, num_layers) > 0),
         template=template,
     )
+
+
+QUEUE_STEPS_VAR = "SFTFLOW_QUEUE_STEPS"
+
+
+def queue_steps(kind: str, offloaded: bool) -> Choice:
+    """Whether the training loop queues step s + 1 before it reads step s's totals: on a GPU, where the device would
+    otherwise wait for the host at every step boundary; not on the CPU, where nothing runs behind the host and a
+    step's time would shift onto the next one. `SFTFLOW_QUEUE_STEPS=0` takes GPU steps one by one (each step's time
+    its own), `=1` queues on the CPU too (the GPU's loop, tested on a CPU). Never with activations offloaded to host
+    memory: each step pins fresh host buffers for them, which queueing ahead would double."""
+    asked = os.environ.get(QUEUE_STEPS_VAR, "auto") or "auto"
+    if asked not in ("auto", "0", "1"):
+        raise ValueError(f"{QUEUE_STEPS_VAR}={asked!r}: expected auto, 0 or 1")
+    if offloaded:
+        return Choice(False, asked, "off while checkpointed activations are in host memory")
+    if asked != "auto":
+        return Choice(asked == "1", asked, f"set by {QUEUE_STEPS_VAR}={asked}")
+    on = kind == "cuda"
+    why = "auto: on a GPU, so it never waits for the host" if on else f"auto: off on {kind}, each step's time its own"
+    return Choice(on, asked, why)
 
 
 def run_vocab_size(dataset_vocab: int | None, tokenizer_path: str | None) -> int | None:

@@ -415,7 +415,7 @@ class Run:
     breakdown: Breakdown | None = None  # the training loss by source and tag, when the data has either
     span: AttentionSpan = AttentionSpan()  # the layers' sliding windows, for the MFU's attention FLOPs
     memory: MemoryPicture | None = None  # what was chosen for the memory, for a report should it run out anyway
-    overlap_steps: bool = False  # queue step s + 1 before reading step s's totals (`queue_steps_ahead`)
+    overlap_steps: bool = False  # queue step s + 1 before reading step s's totals (the resolved `queue_steps`)
 
 
 def build_run(run_dir: Path) -> Run:
@@ -504,7 +504,7 @@ def build_run(run_dir: Path) -> Run:
     )
     label = checkpointing_label(checkpointing, len(layers))
     offloaded = offload and label != "off"  # checkpointed layers' inputs kept in host memory
-    overlap = queue_steps_ahead(env.device, offloaded=offloaded)
+    overlap = resolved.queue_steps.value
     if env.is_main and config.lora is not None:  # the resolved run's last line: only known once the model is built
         print(f"[train] {lora_summary(lm, config, n_trainable, n_params)}", flush=True)
     if env.is_main:
@@ -542,23 +542,6 @@ def build_run(run_dir: Path) -> Run:
             optimizer_offload=config.optimizer.offload, lora=config.lora is not None,
         ),
     )  # fmt: skip
-
-
-QUEUE_STEPS_VAR = "SFTFLOW_QUEUE_STEPS"
-
-
-def queue_steps_ahead(device: torch.device, offloaded: bool) -> bool:
-    """Whether the loop queues step s + 1 before it reads step s's totals: on a GPU, where the device would otherwise
-    wait for the host at every step boundary; not on the CPU, where nothing runs behind the host and a step's time
-    would shift onto the next one. `SFTFLOW_QUEUE_STEPS=0` takes GPU steps one by one (each step's time its own),
-    `=1` queues on the CPU too (the GPU's loop, tested on a CPU). Never with activations offloaded to host memory:
-    each step pins fresh host buffers for them, which queueing ahead would double."""
-    asked = os.environ.get(QUEUE_STEPS_VAR, "auto")
-    if asked not in ("auto", "0", "1"):
-        raise ValueError(f"{QUEUE_STEPS_VAR}={asked!r}: expected auto, 0 or 1")
-    if offloaded:
-        return False
-    return device.type == "cuda" if asked == "auto" else asked == "1"
 
 
 def queue_run_step(run: Run, step: int, step_loss_tokens: int) -> PendingTotals | None:

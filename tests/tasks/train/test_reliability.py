@@ -472,28 +472,10 @@ def test_steps_queued_ahead_train_log_and_save_what_steps_run_one_by_one(base, m
     monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
     with caplog.at_level(logging.INFO):
         run(config, ahead, max_steps=6, checkpoint=dict(keep_last=2))
-    assert "steps queued ahead" in caplog.text
+    assert "steps queued ahead: on (set by SFTFLOW_QUEUE_STEPS=1)" in caplog.text
     kept = ("step", "epoch", "loss", "grad_norm", "lr", "trained_tokens", "tokens", "skipped")  # all but times
     assert [[m[k] for k in kept] for m in metrics(ahead)] == [[m[k] for k in kept] for m in metrics(ref)]
     assert _complete(ahead / "checkpoints") == _complete(ref / "checkpoints") == ["step-4", "step-6"]
     for step in ("step-4", "step-6"):
         saved, expected = read_dcp(ahead / "checkpoints" / step), read_dcp(ref / "checkpoints" / step)
         assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected), step
-
-
-def test_steps_are_queued_ahead_on_gpus_unless_told_otherwise(monkeypatch):
-    import torch
-
-    from sftflow.tasks.train.worker import queue_steps_ahead
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("SFTFLOW_QUEUE_STEPS", raising=False)
-    assert queue_steps_ahead(cuda, offloaded=False) and not queue_steps_ahead(cpu, offloaded=False)
-    assert not queue_steps_ahead(cuda, offloaded=True)  # each step pins fresh host buffers for its activations
-    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "0")
-    assert not queue_steps_ahead(cuda, offloaded=False)
-    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
-    assert queue_steps_ahead(cpu, offloaded=False) and not queue_steps_ahead(cpu, offloaded=True)
-    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "yes")
-    with pytest.raises(ValueError, match="SFTFLOW_QUEUE_STEPS='yes': expected auto, 0 or 1"):
-        queue_steps_ahead(cpu, offloaded=False)

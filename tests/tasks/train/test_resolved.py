@@ -121,6 +121,34 @@ def test_the_rules_change_with_the_rows():
     assert cpu.activation_checkpointing.value == "off" and "CPU" in cpu.activation_checkpointing.reason
 
 
+def test_steps_are_queued_ahead_on_gpus_unless_told_otherwise(monkeypatch):
+    """The loop queues step s + 1 before reading step s's totals on a GPU, not on a CPU nor with activations in host
+    memory; `SFTFLOW_QUEUE_STEPS` forces it, a bad value is refused; run.json and the table say which and why."""
+    config = train_config()
+    lm = meta_model(config, vocab_size=1024)
+
+    def queued(hw, config=config, tokens=4096):
+        run = resolve(config, hw, tokens_per_rank=tokens, micro_batches=1, vocab_size=1024, lm=lm)
+        assert ResolvedRun.from_json(json.loads(json.dumps(run.to_json()))).queue_steps == run.queue_steps
+        assert "queue_steps" not in run.choices()  # how steps are queued does not change the trained model
+        return run.queue_steps
+
+    monkeypatch.delenv("SFTFLOW_QUEUE_STEPS", raising=False)
+    assert queued(H100) == Choice(True, "auto", "auto: on a GPU, so it never waits for the host")
+    assert not queued(CPU).value and "off on cpu" in queued(CPU).reason
+    offloaded = train_config(memory={"activation_checkpointing": 4, "activation_offload": True})
+    assert not queued(H100, offloaded).value  # each step pins fresh host buffers for its activations
+    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "0")
+    assert queued(H100) == Choice(False, "0", "set by SFTFLOW_QUEUE_STEPS=0")
+    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
+    assert queued(CPU).value and not queued(H100, offloaded).value
+    run = resolve(config, CPU, tokens_per_rank=4096, micro_batches=1, vocab_size=1024, lm=lm)
+    assert "steps queued ahead: on (set by SFTFLOW_QUEUE_STEPS=1)" in run.table()
+    monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "yes")
+    with pytest.raises(ValueError, match="SFTFLOW_QUEUE_STEPS='yes': expected auto, 0 or 1"):
+        queued(CPU)
+
+
 def test_kernel_choices_are_dispatch_s(monkeypatch):
     """Attention and loss: what `kernels.dispatch` picks on the run's device, with its reason; on a fake H100 without
     flash-attn-4 the Triton kernels, saying why."""

@@ -282,6 +282,7 @@ def test_a_run_logs_its_resolved_choices_first_and_writes_them_to_run_json(setup
     assert "[run] dtype: fp32 (auto: fp32 on cpu)" in text
     assert "[run] activation checkpointing: off (auto: off on a CPU)" in text
     assert "[run] attention: " in text and "[run] loss: " in text
+    assert "[run] steps queued ahead: off (auto: off on cpu, each step's time its own)" in text
     assert any("LoRA r4 on 7 modules: " in line and "trainable of" in line for line in lines)
     payload = json.loads((root / "resolved" / "run.json").read_text())
     assert payload["resolved"]["parallel"]["value"] == "fsdp"
