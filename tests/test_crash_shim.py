@@ -1,5 +1,5 @@
-"""The crash hook (`tests/crash_shim`): a run that ends before its crash step finishes as without it; the hook saves
-step N only once its totals are in the progress; a run with steps queued ahead, killed and resumed, logs what a
+"""The crash hook (`tests/crash_shim`): a run that ends before its crash step finishes as without it; the hook has a
+loop that queues steps ahead finish step N before it saves and crashes; such a run, killed and resumed, logs what a
 launch never killed does."""
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def _shim(monkeypatch, run_dir, spec: str):
         def due(self, step: int, last: bool = False) -> bool:
             return step % 2 == 0
 
+        def will_save(self, step: int) -> bool:
+            return step % 2 == 0
+
         def save(self, step: int) -> None:
             self.saved.append((step, self.states["progress"].step))
 
@@ -59,13 +62,13 @@ def _shim(monkeypatch, run_dir, spec: str):
 
 
 @pytest.mark.parametrize("crash_step", [3, 4])  # a step without a checkpoint of its own, and one with
-def test_the_hook_saves_step_n_only_once_its_totals_are_in_the_progress(tmp_path, monkeypatch, crash_step):
+def test_the_hook_finishes_step_n_before_it_saves_and_crashes(tmp_path, monkeypatch, crash_step):
     # rank 1 of 2 is the one that would kill itself: this process, rank 0, only saves
     checkpointer = _shim(monkeypatch, tmp_path, f"crash_after_step={crash_step},rank=1")
-    checkpointer.states["progress"].step = crash_step - 1
     # steps queued ahead: asked before step N's totals are read; the hook has the loop finish step N first
-    assert checkpointer.due(crash_step) is True and checkpointer.saved == []
-    assert checkpointer.due(crash_step + 2) is (crash_step % 2 == 0)  # other steps: the checkpointer's own answer
+    assert checkpointer.will_save(crash_step) is True and checkpointer.saved == []
+    assert checkpointer.will_save(crash_step + 2) is (crash_step % 2 == 0)  # other steps: the checkpointer's own
+    assert checkpointer.due(crash_step + 2) is (crash_step % 2 == 0)
     checkpointer.states["progress"].step = crash_step
     assert checkpointer.due(crash_step) is False  # saved here by the hook where due, never again by the loop
     assert checkpointer.saved == ([(4, 4)] if crash_step == 4 else [])

@@ -224,12 +224,20 @@ class Checkpointer:
         return "fresh start"
 
     def due(self, step: int, last: bool = False) -> bool:
-        """Whether to save after `step`: every `every` steps, and after the `last` step unless that one is saved."""
-        if not self.config.enabled:
-            return False
+        """Whether to save now, after `step` and with its totals in the progress: every `every` steps, and after the
+        `last` step unless that one is saved."""
         if last:
-            return self.last_saved_step != step
-        return self.config.every > 0 and step % self.config.every == 0
+            return self.config.enabled and self.last_saved_step != step
+        return self._periodic(step)
+
+    def will_save(self, step: int) -> bool:
+        """Asked ahead, before `step`'s totals are read: whether `due(step)` will save, so that a loop queueing steps
+        ahead finishes `step` before it queues the next (a checkpoint then holds its own step's weights and
+        progress). Kept apart from `due`, which is only ever asked once a step is complete."""
+        return self._periodic(step)
+
+    def _periodic(self, step: int) -> bool:
+        return self.config.enabled and self.config.every > 0 and step % self.config.every == 0
 
     def save(self, step: int) -> Path:
         """Save every component as `step-<step>`; then (rank 0) point `latest` at it and prune old checkpoints."""

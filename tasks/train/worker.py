@@ -685,7 +685,7 @@ def _train(run: Run, watch: MemoryWatch) -> None:
         if queued is not None:
             started = book.finish(queued)
         queued = QueuedStep(step=step, step_loss_tokens=step_loss_tokens, lr=lr, started=started, totals=totals)
-        if not run.overlap_steps or run.checkpointer.due(step + 1) or step + 1 == run.total_steps:
+        if not run.overlap_steps or run.checkpointer.will_save(step + 1) or step + 1 == run.total_steps:
             book.finish(queued)
             queued = None
             if run.checkpointer.due(progress.step):

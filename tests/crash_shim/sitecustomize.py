@@ -9,9 +9,9 @@ rate is X crashes (a served deployment runs other flows beside the one under tes
 The hook wraps `Checkpointer.due`, which the worker's loop calls on every rank once a step's metrics are written:
 at step N every rank saves (if a checkpoint is due there: a collective), then rank R kills itself and the others
 block in the next step's collectives until torchrun tears the group down, as a real crash leaves them. Where steps
-are queued ahead of their totals (on a GPU) the loop also asks before step N's totals are read, whether to finish
-the step at once: the hook says yes, so that the loop finishes step N and asks again with its totals in the
-progress; saving on the first question would pair step N's weights with step N - 1's progress.
+are queued ahead of their totals (on a GPU) the loop first asks `Checkpointer.will_save(N)` whether to finish step
+N before queueing the next: the hook says yes for step N, so that the crash comes with step N's totals in the
+progress and nothing of step N + 1 has run.
 """
 
 import os
@@ -42,13 +42,14 @@ def _install(module) -> None:
     crash_step = int(fields["crash_after_step"])
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     crash_rank = int(fields.get("rank", world - 1))
-    due = module.Checkpointer.due
+    due, will_save = module.Checkpointer.due, module.Checkpointer.will_save
+
+    def finishing_will_save(self, step: int) -> bool:
+        return step == crash_step or will_save(self, step)
 
     def crashing_due(self, step: int, last: bool = False) -> bool:
         if step != crash_step:
             return due(self, step, last=last)
-        if self.states["progress"].step != step:  # asked ahead: finish step N now, crash when asked again
-            return True
         if due(self, step, last=last):
             self.save(step)
         if rank == crash_rank:
@@ -56,7 +57,7 @@ def _install(module) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return False
 
-    module.Checkpointer.due = crashing_due
+    module.Checkpointer.due, module.Checkpointer.will_save = crashing_due, finishing_will_save
 
 
 if _SPEC:
