@@ -34,7 +34,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import add_common_args, environment, result_row, sync, versions, write_rows  # noqa: E402
+from harness import (  # noqa: E402
+    add_common_args,
+    environment,
+    package_version,
+    result_row,
+    sync,
+    versions,
+    write_rows,
+)
 from train_throughput import PAD_ID, init_single_process, llama_config  # noqa: E402
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -66,6 +74,7 @@ def rows_of_length(length: int, row_tokens: int, rows: int, vocab_size: int, see
 
 
 def measure(args) -> dict:
+    from sftflow.kernels import attention, cross_entropy
     from sftflow.tasks.plan.planner import cost_coefficients_from_model
     from sftflow.tasks.train import config as cfg
     from sftflow.tasks.train.activations import apply_activation_checkpointing
@@ -129,12 +138,13 @@ def measure(args) -> dict:
         print(f"[cost_table] {json.dumps(rows[-1])}", flush=True)
 
     shortest, t0 = points[0]
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
     a, b = cost_coefficients_from_model(
         hidden_size=lm_config.hidden_size,
         num_layers=lm_config.num_hidden_layers,
         num_heads=lm_config.num_attention_heads,
         num_kv_heads=lm_config.num_key_value_heads,
-        head_dim=getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads,
+        head_dim=head_dim,
         intermediate_size=lm_config.intermediate_size,
         vocab_size=lm_config.vocab_size,
     )
@@ -149,7 +159,10 @@ def measure(args) -> dict:
     return {
         **({"simulated_ranks": sim} if args.simulate_ranks else {}),
         "date": datetime.date.today().isoformat(),
-        "versions": versions(),
+        "versions": {**versions(), "flash_attn_4": package_version("flash-attn-4")},
+        # the kernels the steps ran: a table measured with one attention kernel misweighs long documents for another
+        "attention": attention.select_backend(env.device, dtype, head_dim).name,
+        "loss": cross_entropy.select_backend(env.device, dtype).name,
         "preset": args.preset,
         "model": {k: getattr(lm_config, k, None) for k in ("hidden_size", "num_hidden_layers", "head_dim")},
         "row_tokens": args.row_tokens,
@@ -222,7 +235,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"Cost table, {report['versions'].get('gpu', 'cpu')}, preset {report['preset']}, rows of "
         f"{report['row_tokens']} tokens, compile={report['compile']}, activation checkpointing "
-        f"{report['activation_checkpointing']} ({report['date']})",
+        f"{report['activation_checkpointing']}, attention {report['attention']} ({report['date']})",
         "",
         "| doc length | docs/row | µs/token (median) | µs/token (total/total) | measured ÷ shortest | default "
         "estimate ÷ shortest | FLOP model ÷ shortest |",
@@ -295,7 +308,8 @@ def main(argv=None) -> dict:
         metric = "step_time_per_token_median"
         rows = [
             result_row(
-                "benchmarks/cost_table.py", f"length{r['length']}", metric, r["us_per_token_median"], "us", env,
+                "benchmarks/cost_table.py", f"length{r['length']}, attention {report['attention']}", metric,
+                r["us_per_token_median"], "us", env,
                 workload=workload,
             )
             for r in report["rows"]

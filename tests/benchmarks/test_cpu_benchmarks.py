@@ -27,6 +27,29 @@ def test_planner(tmp_path):
     assert all(r["gpu"] is None and r["versions"]["numpy"] for r in rows)
 
 
+def test_cost_table(tmp_path):
+    """The planner's cost table on the CPU: one point per length, in the file `plan.cost_table` reads, saying which
+    attention and loss kernels the steps ran (a table measured with one attention kernel misweighs another's)."""
+    import json
+
+    import torch
+
+    from sftflow.kernels import attention, cross_entropy
+
+    out = bench(
+        "cost_table.py", "--preset", "tiny", "--device", "cpu", "--lengths", "16,64", "--row-tokens", "64",
+        "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "table"), "--jsonl", str(tmp_path / "r.jsonl"),
+    )  # fmt: skip
+    table = json.loads((tmp_path / "table" / "cost_table.json").read_text())
+    assert [length for length, _ in table["points"]] == [16, 64] and all(t > 0 for _, t in table["points"])
+    head_dim = SHAPES["tiny-tied"].head_dim  # the benchmarks' tiny preset
+    assert table["attention"] == attention.select_backend("cpu", torch.float32, head_dim).name
+    assert table["loss"] == cross_entropy.select_backend("cpu", torch.float32).name
+    assert f"attention {table['attention']}" in out
+    rows = read_result_rows(tmp_path / "r.jsonl", "benchmarks/cost_table.py")
+    assert [r["mode"] for r in rows] == [f"length{n}, attention {table['attention']}" for n in (16, 64)]
+
+
 def tiny_config(tmp_path) -> str:
     """A Hugging Face config file of the registry's smallest Llama shape: each mode builds it in a second."""
     path = tmp_path / "model.json"
