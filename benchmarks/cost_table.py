@@ -73,6 +73,16 @@ def rows_of_length(length: int, row_tokens: int, rows: int, vocab_size: int, see
     return dataset, arrays
 
 
+def ran(kernel: str) -> str:
+    """The backend `kernel` last ran with in this process (the dispatch records each call's choice)."""
+    from sftflow.kernels.dispatch import last_choice
+
+    choice = last_choice(kernel)
+    if choice is None:
+        raise RuntimeError(f"no {kernel} kernel ran in the timed steps")
+    return choice.name
+
+
 def measure(args) -> dict:
     from sftflow.kernels import attention, cross_entropy
     from sftflow.tasks.plan.planner import cost_coefficients_from_model
@@ -161,8 +171,8 @@ def measure(args) -> dict:
         "date": datetime.date.today().isoformat(),
         "versions": {**versions(), "flash_attn_4": package_version("flash-attn-4")},
         # the kernels the steps ran: a table measured with one attention kernel misweighs long documents for another
-        "attention": attention.select_backend(env.device, dtype, head_dim).name,
-        "loss": cross_entropy.select_backend(env.device, dtype).name,
+        "attention": ran(attention.KERNEL),
+        "loss": ran(cross_entropy.KERNEL),
         "preset": args.preset,
         "model": {k: getattr(lm_config, k, None) for k in ("hidden_size", "num_hidden_layers", "head_dim")},
         "row_tokens": args.row_tokens,

@@ -69,16 +69,18 @@ def test_the_hook_finishes_step_n_before_it_saves_and_crashes(tmp_path, monkeypa
     assert checkpointer.will_save(crash_step) is True and checkpointer.saved == []
     assert checkpointer.will_save(crash_step + 2) is (crash_step % 2 == 0)  # other steps: the checkpointer's own
     assert checkpointer.due(crash_step + 2) is (crash_step % 2 == 0)
-    checkpointer.states["progress"].step = crash_step
+    checkpointer.states["progress"].step = crash_step  # the loop asks `due` once step N's totals are in
     assert checkpointer.due(crash_step) is False  # saved here by the hook where due, never again by the loop
     assert checkpointer.saved == ([(4, 4)] if crash_step == 4 else [])
 
 
+@pytest.mark.parametrize("crash_step", [3, 4])  # after a step without a checkpoint of its own, and one with
 def test_steps_queued_ahead_kill_and_resume_bit_exactly(
-    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, inject_crash, monkeypatch, caplog
+    tmp_path, tiny_tokenizer, tiny_tokenizer_dir, inject_crash, monkeypatch, caplog, crash_step
 ):
-    """The GPU's loop (step s + 1 queued before step s's totals are read) on the CPU, killed right after the
-    checkpoint of step 4 and resumed from it: every step as a launch never killed logs it."""
+    """The GPU's loop (step s + 1 queued before step s's totals are read) on the CPU, killed right after step 3 (the
+    last checkpoint is step 2's) or right after the checkpoint of step 4, and resumed: every step as a launch never
+    killed logs it."""
     monkeypatch.setenv("SFTFLOW_QUEUE_STEPS", "1")
     config, _, _ = planned_mock(
         tmp_path, len(tiny_tokenizer), tiny_tokenizer_dir, PlanConfig(num_ranks=1, tokens_per_rank=128),
@@ -88,7 +90,7 @@ def test_steps_queued_ahead_kill_and_resume_bit_exactly(
         run(config, tmp_path / "reference", max_steps=6, checkpoint=dict(every=2))
     assert "steps queued ahead: on (set by SFTFLOW_QUEUE_STEPS=1)" in caplog.text
     crashed = config.model_copy(update={"out": str(tmp_path / "crashed")})
-    inject_crash("crash_after_step=4")
+    inject_crash(f"crash_after_step={crash_step}")
     with pytest.raises(TrainingFailed):
         train(crashed)
     inject_crash(None)

@@ -263,7 +263,7 @@ def test_all_masked_micro_batch_and_zero_token_step(tmp_path, tiny_tokenizer, ti
     assert all(torch.equal(moments1[k], moments2[k]) for k in moments1)
 
 
-def test_a_run_logs_its_resolved_choices_first_and_writes_them_to_run_json(setup, caplog):
+def test_a_run_logs_its_resolved_choices_first_and_writes_them_to_run_json(setup, caplog, monkeypatch):
     """The launcher resolves every `auto` once: the run's first lines are the table, and run.json holds it for the
     workers, which apply it (a CPU run: FSDP over its processes, fp32, no compiled layers, no checkpointing)."""
     import json
@@ -272,6 +272,7 @@ def test_a_run_logs_its_resolved_choices_first_and_writes_them_to_run_json(setup
     from sftflow.tasks.train.resolved import read_resolved
 
     root, base, _, _ = setup
+    monkeypatch.delenv("SFTFLOW_QUEUE_STEPS", raising=False)
     with caplog.at_level(logging.INFO, logger="sftflow.train"):
         run(base, root / "resolved", nproc=1, max_steps=1, lora={"rank": 4}, save_grads_at_steps=())
     lines = [r.getMessage() for r in caplog.records if r.name == "sftflow.train"]

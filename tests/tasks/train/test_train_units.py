@@ -353,3 +353,28 @@ def test_attention_cost_counts_only_the_keys_inside_a_window():
         pairs = sum(min(i + 1, window) for i in range(length))
         got = AttentionSpan.of([window]).cost(torch.tensor([float(length)], dtype=torch.float64)).item()
         assert got == pytest.approx(2 * pairs, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "every", "saved_last", "due", "last"),
+    [
+        (True, 2, None, [False, True, False, True], True),  # every 2 steps; the last step, not yet saved
+        (True, 2, 4, [False, True, False, True], False),  # the last step already saved by `every`
+        (True, 0, None, [False, False, False, False], True),  # only the last step
+        (False, 2, None, [False, False, False, False], False),  # checkpointing off: never
+    ],
+)
+def test_checkpointer_due_and_its_look_ahead_agree(tmp_path, enabled, every, saved_last, due, last):
+    """`due` (asked once a step is complete) and `will_save` (asked ahead, by a loop that queues steps) give the
+    same answer for every step; only `due(last=True)` adds the final save."""
+    from sftflow.tasks.train.checkpoint import Checkpointer
+    from sftflow.tasks.train.config import COMPONENTS, CheckpointConfig
+
+    config = CheckpointConfig(
+        folder=tmp_path, every=every, keep_last=2, resume=False, enabled=enabled, init_from=None, load_components=()
+    )
+    checkpointer = Checkpointer(config, dict.fromkeys(COMPONENTS), is_main=True)
+    checkpointer.last_saved_step = saved_last
+    assert [checkpointer.due(step) for step in (1, 2, 3, 4)] == due
+    assert [checkpointer.will_save(step) for step in (1, 2, 3, 4)] == due
+    assert checkpointer.due(4, last=True) is last
