@@ -51,26 +51,62 @@ def healthy(api: str) -> bool:
         return False
 
 
+def listens_in_session(port: int, session: int) -> bool:
+    """Whether a process of session `session` (a server started with `start_new_session=True`) listens on `port`."""
+    import psutil
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                if os.getsid(conn.pid) == session:
+                    return True
+            except ProcessLookupError:
+                pass
+    return False
+
+
 @contextmanager
 def prefect_server_on(env: dict, log_path: Path, timeout_s: float) -> Iterator[tuple[dict, subprocess.Popen]]:
     """`prefect server start` on a free loopback port with `env` (its PREFECT_* settings: home, database), once it
-    answers: (`env` with PREFECT_API_URL naming it, the server's process). Stopped, by process group, on exit."""
-    port = free_port()
-    env = dict(env, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    answers: (`env` with PREFECT_API_URL naming it, the server's process). Stopped, by process group, on exit.
+
+    A free port is free only until someone binds it: two test workers starting servers at once can be handed the
+    same one, and then the second server fails to bind while the first answers its health check. So the server
+    counts as up only once its own process listens on the port; one that lost the port is started again on another."""
+    for attempt in range(3):
+        port = free_port()
+        served = dict(env, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(
+                ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                env=served,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            wait_for(lambda: healthy(env["PREFECT_API_URL"]) or server.poll() is not None, timeout_s, "prefect server")
-            assert server.poll() is None, log_path.read_text()[-3000:]
-            yield env, server
-        finally:
+            wait_for(
+                lambda: (
+                    server.poll() is not None  # noqa: B023 - called before the loop moves on
+                    or "already in use" in log_path.read_text()  # noqa: B023
+                    or listens_in_session(port, server.pid)
+                    and healthy(served["PREFECT_API_URL"])
+                ),  # noqa: B023
+                timeout_s,
+                "prefect server",
+            )
+            lost_port = "already in use" in log_path.read_text()
+            if server.poll() is None and not lost_port:
+                break
+            assert lost_port and attempt < 2, log_path.read_text()[-3000:]
+        except BaseException:
             stop(server)
+            raise
+        stop(server)
+    try:
+        yield served, server
+    finally:
+        stop(server)
 
 
 @pytest.fixture(scope="module")
