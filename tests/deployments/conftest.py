@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,13 @@ def listens_in_session(port: int, session: int) -> bool:
     return False
 
 
+def _up_or_lost(server: subprocess.Popen, port: int, api: str, log_path: Path) -> bool:
+    """Whether `server` exited, lost its port to another process, or is up: its own process listens and answers."""
+    if server.poll() is not None or "already in use" in log_path.read_text():
+        return True
+    return listens_in_session(port, server.pid) and healthy(api)
+
+
 @contextmanager
 def prefect_server_on(env: dict, log_path: Path, timeout_s: float) -> Iterator[tuple[dict, subprocess.Popen]]:
     """`prefect server start` on a free loopback port with `env` (its PREFECT_* settings: home, database), once it
@@ -86,14 +94,7 @@ def prefect_server_on(env: dict, log_path: Path, timeout_s: float) -> Iterator[t
             )
         try:
             wait_for(
-                lambda: (
-                    server.poll() is not None  # noqa: B023 - called before the loop moves on
-                    or "already in use" in log_path.read_text()  # noqa: B023
-                    or listens_in_session(port, server.pid)
-                    and healthy(served["PREFECT_API_URL"])
-                ),  # noqa: B023
-                timeout_s,
-                "prefect server",
+                partial(_up_or_lost, server, port, served["PREFECT_API_URL"], log_path), timeout_s, "prefect server"
             )
             lost_port = "already in use" in log_path.read_text()
             if server.poll() is None and not lost_port:
