@@ -15,6 +15,8 @@ sftflow command:
 
 The server is Prefect's own application (API, UI and services, as `prefect server start` runs them) on 127.0.0.1 and
 a free port, logging to `PREFECT_HOME/sftflow-api/server.log`; its UI shows every run of the commands that used it.
+The starting command binds the port itself and hands the listening socket to the server process, so no other server
+can take the port between the choice and the start, and the first healthy answer on it is this server's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_IDLE_TIMEOUT_S = 900.0
 # After this long without an answer, the command says what it is waiting for (once).
 _PATIENCE_NOTICE_S = 10.0
+# uvicorn's own default backlog
+_BACKLOG = 2048
 
 
 class LocalAPIError(RuntimeError):
@@ -123,17 +127,26 @@ def _running(folder: Path, prefect_version: str) -> ServerRecord | None:
 
 
 def _start(folder: Path, prefect_version: str, timeout_s: float, notice) -> ServerRecord:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
     log_path = folder / "server.log"
     idle_s = seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT_S)
-    command = [sys.executable, "-m", "sftflow.flows.local_api", str(port), str(idle_s)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    with open(log_path, "ab") as log:
+    # Bound and listening before the server process exists: connections wait in the backlog until it serves them,
+    # and nothing else can bind the port in between.
+    with socket.socket() as listener, open(log_path, "ab") as log:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(_BACKLOG)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
+        command = [sys.executable, "-m", "sftflow.flows.local_api", str(listener.fileno()), str(idle_s)]
         # A session of its own: Ctrl-C in the terminal of the command that started it does not stop the server
         # that later commands share.
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=(listener.fileno(),),
         )
     started = time.monotonic()
     told = False
@@ -248,15 +261,18 @@ def _idle_watchdog(server, clients_lock: Path, idle_s: float) -> None:
             time.sleep(min(5.0, idle_s / 4))
 
 
-def serve(port: int, idle_s: float) -> None:
-    """The server process: Prefect's app under uvicorn, until idle or SIGTERM."""
+def serve(fd: int, idle_s: float) -> None:
+    """The server process: Prefect's app under uvicorn on the listening socket inherited as `fd`, until idle or
+    SIGTERM."""
     import uvicorn
     from prefect.settings import PREFECT_HOME
 
+    listener = socket.socket(fileno=fd)
+    host, port = listener.getsockname()[:2]
     config = uvicorn.Config(
         "prefect.server.api.server:create_app",
         factory=True,
-        host="127.0.0.1",
+        host=host,
         port=port,
         log_level="warning",
         lifespan="on",
@@ -264,7 +280,7 @@ def serve(port: int, idle_s: float) -> None:
     server = uvicorn.Server(config)
     clients_lock = state_dir(Path(PREFECT_HOME.value()).expanduser()) / "clients.lock"
     threading.Thread(target=_idle_watchdog, args=(server, clients_lock, idle_s), daemon=True).start()
-    server.run()
+    server.run(sockets=[listener])
 
 
 if __name__ == "__main__":

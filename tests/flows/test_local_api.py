@@ -6,7 +6,9 @@ sleeps in the server process only, so these tests fail if a command still relies
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,11 +23,16 @@ pytestmark = pytest.mark.slow
 
 SLOW_START_S = 21  # Prefect's ephemeral server gets 20 s
 
-SITECUSTOMIZE = f"""
+
+def _sitecustomize(sleep_s: float) -> str:
+    return f"""
 import sys, time
 if "sftflow.flows.local_api" in sys.orig_argv:
-    time.sleep({SLOW_START_S})
+    time.sleep({sleep_s})
 """
+
+
+SITECUSTOMIZE = _sitecustomize(SLOW_START_S)
 
 
 def _env(home: Path, hooks: Path, **extra: str) -> dict[str, str]:
@@ -63,10 +70,44 @@ def _data_args(fresh, out: str) -> list[str]:
     return ["data", "--source", source, "--tokenizer", tokenizer, "--out", str(fresh["root"] / out)]
 
 
+def _starting_server(home: Path, timeout_s: float = 60.0):
+    """The local API server process of PREFECT_HOME `home`, once it runs."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                if "sftflow.flows.local_api" in (process.info["cmdline"] or []) and process.environ().get(
+                    "PREFECT_HOME"
+                ) == str(home):
+                    return process
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    pytest.fail(f"no local API server process for {home} within {timeout_s:g} s")
+
+
+def _listening_ports(process) -> set[int]:
+    import psutil
+
+    connections = getattr(process, "net_connections", None) or process.connections
+    return {c.laddr.port for c in connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
 def test_concurrent_first_runs_survive_a_slow_server_start(fresh):
     env = _env(fresh["home"], fresh["hooks"], SFTFLOW_API_IDLE_TIMEOUT="20")
     first = _sftflow(*_data_args(fresh, "a"), env=env, wait=False)
     second = _sftflow(*_data_args(fresh, "b"), env=env, wait=False)
+    # While the server still sleeps in its start-up hook it already holds its port, so no other server can take it
+    # before the start and be taken for this one.
+    server = _starting_server(fresh["home"])
+    ports = _listening_ports(server)
+    assert len(ports) == 1, ports
+    (port,) = ports
+    with socket.socket() as impostor, pytest.raises(OSError) as taken:
+        impostor.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
     outputs = [p.communicate(timeout=600) + (p.returncode,) for p in (first, second)]
     for stdout, stderr, code in outputs:
         assert code == 0, stderr[-3000:]
@@ -74,7 +115,9 @@ def test_concurrent_first_runs_survive_a_slow_server_start(fresh):
     # One of the two started the shared server (and created the database); the other waited for it.
     starts = [stderr.count("started a local Prefect API server") for _, stderr, _ in outputs]
     assert sorted(starts) == [0, 1], starts
-    assert read_record(state_dir(fresh["home"])) is not None
+    record = read_record(state_dir(fresh["home"]))
+    assert record is not None
+    assert (record.pid, record.url) == (server.pid, f"http://127.0.0.1:{port}/api")
 
 
 def test_later_commands_reuse_the_running_server(fresh):
